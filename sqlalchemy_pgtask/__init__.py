@@ -1,0 +1,109 @@
+"""sqlalchemy-pgtask: durable tasks and workflows inside PostgreSQL and your SQLAlchemy session.
+
+Enqueue inside your own transaction::
+
+    from sqlalchemy_pgtask import enqueue
+
+    with Session(engine) as session, session.begin():
+        session.add(order)
+        enqueue(session, "send-receipt", {"order_id": order.id})
+
+The task commits or rolls back with the order. Install the schema with ``alembic upgrade
+heads`` (see ``docs/alembic.md``) or ``pgtask migrate``, register handlers on a `Registry`,
+and run them with ``pgtask worker app.tasks:registry``.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
+from sqlalchemy_pgtask.client import (
+    cancel,
+    cancel_async,
+    get_task,
+    get_task_async,
+    wait_for_result,
+    wait_for_result_async,
+)
+from sqlalchemy_pgtask.context import TaskContext
+from sqlalchemy_pgtask.control import Fail, LeaseLost, Retry, TaskCancelled
+from sqlalchemy_pgtask.enqueue import (
+    EnqueueRequest,
+    EnqueueResult,
+    enqueue,
+    enqueue_async,
+    enqueue_many,
+    enqueue_many_async,
+)
+from sqlalchemy_pgtask.errors import (
+    InvalidNameError,
+    InvalidOptionError,
+    PayloadError,
+    PgTaskError,
+    QueueFull,
+    SchemaNotInstalled,
+    TaskNotFound,
+    ValidationError,
+)
+from sqlalchemy_pgtask.models import (
+    Attempt,
+    HandlerPolicy,
+    IdempotencyKey,
+    Queue,
+    Task,
+    WorkerCapability,
+    WorkerRecord,
+    metadata,
+)
+from sqlalchemy_pgtask.registry import Registry, TaskDefinition
+from sqlalchemy_pgtask.retry import RetryPolicy
+from sqlalchemy_pgtask.worker import PolicyConflict, Worker, WorkerOptions
+
+try:
+    __version__ = _version("sqlalchemy-pgtask")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0+unknown"
+
+__all__ = [
+    "Attempt",
+    "EnqueueRequest",
+    "EnqueueResult",
+    "Fail",
+    "HandlerPolicy",
+    "IdempotencyKey",
+    "InvalidNameError",
+    "InvalidOptionError",
+    "LeaseLost",
+    "PayloadError",
+    "PgTaskError",
+    "PolicyConflict",
+    "Queue",
+    "QueueFull",
+    "Registry",
+    "Retry",
+    "RetryPolicy",
+    "SchemaNotInstalled",
+    "Task",
+    "TaskCancelled",
+    "TaskContext",
+    "TaskDefinition",
+    "TaskNotFound",
+    "ValidationError",
+    "Worker",
+    "WorkerCapability",
+    "WorkerOptions",
+    "WorkerRecord",
+    "__version__",
+    "cancel",
+    "cancel_async",
+    "enqueue",
+    "enqueue_async",
+    "enqueue_many",
+    "enqueue_many_async",
+    "get_task",
+    "get_task_async",
+    "metadata",
+    "wait_for_result",
+    "wait_for_result_async",
+]

@@ -1,0 +1,40 @@
+"""control: exceptions a handler raises or meets to steer its task; they are not errors.
+
+* `Fail` ends the task as failed at once, without using the remaining attempts.
+* `Retry` asks for another attempt (it still counts as a failed attempt), optionally after a
+  chosen delay instead of the policy's.
+* `LeaseLost` and `TaskCancelled` tell a handler to stop: its lease is gone, or someone cancelled
+  the task. They derive from `BaseException` so that a handler's ``except Exception:`` cannot
+  swallow them and keep running work whose result would be discarded anyway.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Fail", "LeaseLost", "Retry", "TaskCancelled"]
+
+
+class Fail(Exception):
+    """Fail the task now, whatever attempts remain."""
+
+
+class Retry(Exception):
+    """Fail this attempt and retry; ``delay`` (seconds) overrides the retry policy's delay.
+
+    The attempt still counts against ``max_attempts``: when none remain, the task fails.
+    """
+
+    def __init__(self, message: str = "retry requested", *, delay: float | None = None) -> None:
+        super().__init__(message)
+        self.delay = delay
+
+
+class LeaseLost(BaseException):
+    """This attempt no longer owns the task; stop and let the current owner proceed.
+
+    Raised by context calls of a synchronous handler after its lease expired, was taken over,
+    or the worker released it at shutdown. Nothing this attempt writes afterwards is stored.
+    """
+
+
+class TaskCancelled(BaseException):
+    """Someone cancelled the task; stop. The task ends as cancelled."""

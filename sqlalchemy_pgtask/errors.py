@@ -1,0 +1,90 @@
+"""errors: every exception sqlalchemy-pgtask raises; never raised for handler control flow.
+
+The tree::
+
+    PgTaskError
+     ├── ValidationError (also a ValueError)    bad input, raised before any SQL runs
+     │    ├── InvalidNameError                  queue, task or key name breaks the naming rule
+     │    ├── PayloadError                      not JSON, too large, or contains NUL characters
+     │    └── InvalidOptionError                an option out of range or contradicting another
+     ├── QueueFull                              SQLSTATE PT001: the queue is at capacity
+     ├── SchemaNotInstalled                     the pgtask schema is missing or out of date
+     ├── TaskNotFound                           no task with that id
+     └── ServerNotFound                         no PostgreSQL could be found or started
+                                                (tests and the demo only)
+
+Database errors are wrapped once, at the boundary where they are understood, with
+``raise ... from exc`` so the original driver error stays attached.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "InvalidNameError",
+    "InvalidOptionError",
+    "PayloadError",
+    "PgTaskError",
+    "QueueFull",
+    "SchemaNotInstalled",
+    "ServerNotFound",
+    "TaskNotFound",
+    "ValidationError",
+]
+
+
+class PgTaskError(Exception):
+    """Base class of every sqlalchemy-pgtask error.
+
+    When raised without arguments, the docstring's first line is the message.
+    """
+
+    def __init__(self, *args: object) -> None:
+        if not args and self.__doc__:
+            args = (self.__doc__.strip().splitlines()[0],)
+        super().__init__(*args)
+
+
+class ValidationError(PgTaskError, ValueError):
+    """Invalid input; nothing was written.
+
+    ``field`` names the argument that was rejected (for ``enqueue_many``, prefixed with the
+    request's index, as in ``"[3].payload"``).
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.reason = message
+
+
+class InvalidNameError(ValidationError):
+    """A queue, task or idempotency-key name breaks the naming rule."""
+
+
+class PayloadError(ValidationError):
+    """A JSON value (payload, headers, result) is not serialisable, too large, or holds NUL."""
+
+
+class InvalidOptionError(ValidationError):
+    """An option is out of range or contradicts another option."""
+
+
+class QueueFull(PgTaskError):
+    """The queue has reached its capacity of outstanding tasks (SQLSTATE PT001).
+
+    Capacity is back-pressure, not loss: nothing was written, and the producer may retry later.
+    """
+
+    sqlstate = "PT001"
+
+
+class SchemaNotInstalled(PgTaskError):
+    """The pgtask schema is not installed: run `pgtask migrate` or `alembic upgrade heads`."""
+
+
+class TaskNotFound(PgTaskError):
+    """No task exists with that id."""
+
+
+class ServerNotFound(PgTaskError):
+    """No PostgreSQL server could be found or started."""

@@ -1,0 +1,215 @@
+"""registry: handlers by (queue, task name, handler version) with their policies; no I/O.
+
+::
+
+    registry = Registry()
+
+    @registry.task("send-receipt", retry=RetryPolicy.exponential(base=2.0, max=300.0))
+    async def send_receipt(ctx: TaskContext, payload: dict[str, int]) -> str:
+        ...
+
+    send_receipt.enqueue(session, {"order_id": 42})
+
+A worker runs ``pgtask worker app.tasks:registry``; it claims only the (name, version) pairs
+registered here, so a task for an unknown handler waits, untouched, for a worker that knows it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Final, Generic, TypeVar
+
+from sqlalchemy_pgtask.context import TaskContext
+from sqlalchemy_pgtask.enqueue import (
+    DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_QUEUE,
+    AsyncBind,
+    EnqueueRequest,
+    EnqueueResult,
+    SyncBind,
+    enqueue,
+    enqueue_async,
+)
+from sqlalchemy_pgtask.errors import InvalidOptionError
+from sqlalchemy_pgtask.retry import RetryPolicy
+from sqlalchemy_pgtask.validation import (
+    INT4_MAX,
+    check_int_range,
+    check_queue_name,
+    check_task_name,
+)
+
+__all__ = ["DEFAULT_RETRY", "Registry", "TaskDefinition"]
+
+PayloadT = TypeVar("PayloadT")
+ResultT = TypeVar("ResultT")
+
+#: Exponential backoff from 1 s doubling to 60 s, with full jitter.
+DEFAULT_RETRY: Final = RetryPolicy.exponential(base=1.0, factor=2.0, max=60.0)
+
+Handler = Callable[[TaskContext, PayloadT], "ResultT | Awaitable[ResultT]"]
+
+
+@dataclass(frozen=True)
+class TaskDefinition(Generic[PayloadT, ResultT]):
+    """A registered handler and the defaults its tasks are enqueued with.
+
+    Calling the definition calls the handler directly (useful in unit tests); `enqueue` adds a
+    task for a worker to run.
+    """
+
+    name: str
+    version: int
+    queue: str
+    retry: RetryPolicy
+    max_attempts: int
+    handler: Callable[[TaskContext, PayloadT], Any]
+    #: Exception types that fail the task at once instead of retrying.
+    non_retryable: tuple[type[BaseException], ...] = ()
+    is_async: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "is_async", inspect.iscoroutinefunction(self.handler))
+
+    def __call__(self, ctx: TaskContext, payload: PayloadT) -> Any:
+        return self.handler(ctx, payload)
+
+    def request(
+        self,
+        payload: PayloadT,
+        *,
+        run_at: datetime | None = None,
+        delay: float | timedelta | None = None,
+        priority: int = 0,
+        max_attempts: int | None = None,
+        idempotency_key: str | None = None,
+        headers: Mapping[str, Any] | None = None,
+    ) -> EnqueueRequest:
+        """An `EnqueueRequest` for this handler, for `enqueue_many`."""
+        return EnqueueRequest(
+            name=self.name, payload=payload, queue=self.queue, version=self.version,
+            run_at=run_at, delay=delay, priority=priority,
+            max_attempts=self.max_attempts if max_attempts is None else max_attempts,
+            idempotency_key=idempotency_key, headers=headers,
+        )
+
+    def enqueue(
+        self,
+        bind: SyncBind,
+        payload: PayloadT,
+        *,
+        run_at: datetime | None = None,
+        delay: float | timedelta | None = None,
+        priority: int = 0,
+        max_attempts: int | None = None,
+        idempotency_key: str | None = None,
+        headers: Mapping[str, Any] | None = None,
+    ) -> EnqueueResult:
+        """Add a task for this handler in ``bind``'s transaction (see `enqueue`)."""
+        return enqueue(
+            bind, self.name, payload, queue=self.queue, version=self.version, run_at=run_at,
+            delay=delay, priority=priority,
+            max_attempts=self.max_attempts if max_attempts is None else max_attempts,
+            idempotency_key=idempotency_key, headers=headers,
+        )
+
+    async def enqueue_async(
+        self,
+        bind: AsyncBind,
+        payload: PayloadT,
+        *,
+        run_at: datetime | None = None,
+        delay: float | timedelta | None = None,
+        priority: int = 0,
+        max_attempts: int | None = None,
+        idempotency_key: str | None = None,
+        headers: Mapping[str, Any] | None = None,
+    ) -> EnqueueResult:
+        """`enqueue` for an `AsyncSession` or `AsyncConnection`."""
+        return await enqueue_async(
+            bind, self.name, payload, queue=self.queue, version=self.version, run_at=run_at,
+            delay=delay, priority=priority,
+            max_attempts=self.max_attempts if max_attempts is None else max_attempts,
+            idempotency_key=idempotency_key, headers=headers,
+        )
+
+
+class Registry:
+    """The handlers one worker process can run."""
+
+    def __init__(self) -> None:
+        self._definitions: dict[tuple[str, str, int], TaskDefinition[Any, Any]] = {}
+
+    def task(
+        self,
+        name: str,
+        *,
+        version: int = 1,
+        queue: str = DEFAULT_QUEUE,
+        retry: RetryPolicy = DEFAULT_RETRY,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        non_retryable: tuple[type[BaseException], ...] = (),
+    ) -> Callable[[Callable[[TaskContext, PayloadT], Any]], TaskDefinition[PayloadT, Any]]:
+        """Register the decorated ``(ctx, payload)`` function, ``async def`` or plain ``def``.
+
+        :param retry: when to retry a failed attempt; frozen per (queue, name, version) in the
+            database by the first worker that registers it.
+        :param max_attempts: the default for tasks enqueued through the definition.
+        :param non_retryable: exception types that fail the task at once.
+        """
+
+        def register(
+            handler: Callable[[TaskContext, PayloadT], Any],
+        ) -> TaskDefinition[PayloadT, Any]:
+            definition: TaskDefinition[PayloadT, Any] = TaskDefinition(
+                name=name, version=version, queue=queue, retry=retry,
+                max_attempts=max_attempts, handler=handler, non_retryable=non_retryable,
+            )
+            self.add(definition)
+            return definition
+
+        return register
+
+    def add(self, definition: TaskDefinition[Any, Any]) -> None:
+        """Register an existing definition (for example, one shared by two registries)."""
+        check_task_name(definition.name)
+        check_queue_name(definition.queue)
+        check_int_range("version", definition.version, 1, INT4_MAX)
+        check_int_range("max_attempts", definition.max_attempts, 1, INT4_MAX)
+        if not isinstance(definition.retry, RetryPolicy):
+            raise InvalidOptionError("retry", "must be a RetryPolicy")
+        if not callable(definition.handler):
+            raise InvalidOptionError("handler", "must be callable")
+        for exc_type in definition.non_retryable:
+            if not (isinstance(exc_type, type) and issubclass(exc_type, BaseException)):
+                raise InvalidOptionError("non_retryable", f"{exc_type!r} is not an exception type")
+        key = (definition.queue, definition.name, definition.version)
+        if key in self._definitions:
+            raise InvalidOptionError(
+                "name",
+                f"{definition.name!r} version {definition.version} is already registered "
+                f"on queue {definition.queue!r}",
+            )
+        self._definitions[key] = definition
+
+    def get(self, queue: str, name: str, version: int) -> TaskDefinition[Any, Any] | None:
+        """The definition for a task identity, or None."""
+        return self._definitions.get((queue, name, version))
+
+    @property
+    def queues(self) -> list[str]:
+        """Every queue with at least one handler, in registration order."""
+        return list(dict.fromkeys(queue for queue, _, _ in self._definitions))
+
+    def for_queue(self, queue: str) -> list[TaskDefinition[Any, Any]]:
+        """The definitions registered on ``queue``."""
+        return [d for (q, _, _), d in self._definitions.items() if q == queue]
+
+    def __iter__(self) -> Iterator[TaskDefinition[Any, Any]]:
+        return iter(self._definitions.values())
+
+    def __len__(self) -> int:
+        return len(self._definitions)

@@ -1,0 +1,117 @@
+"""retry: retry policies and the delay before the next attempt; pure logic, no I/O.
+
+A policy decides *when* a failed task runs again; ``max_attempts`` (on the task) decides *how
+many times*. The delay is computed from the number of failed attempts only, so a workflow that
+suspends (sleeps, waits) many times is never pushed into a long backoff or out of retries.
+
+Every policy applies **full jitter** by default: the delay is drawn uniformly from
+``[0, ceiling]``, which spreads a burst of failures (a dependency outage) over the whole window
+instead of retrying them in lock-step.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Literal
+
+from sqlalchemy_pgtask.errors import InvalidOptionError
+from sqlalchemy_pgtask.validation import check_seconds
+
+__all__ = ["RetryKind", "RetryPolicy"]
+
+RetryKind = Literal["never", "fixed", "exponential"]
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How long to wait before retrying a failed task.
+
+    Build one with `never`, `fixed` or `exponential`. Policies are stored per (queue, task
+    name, handler version) and copied onto each task when it is first claimed, so a later deploy
+    cannot change how an in-flight task retries.
+    """
+
+    kind: RetryKind
+    base_seconds: float | None = None
+    factor: float | None = None
+    max_seconds: float | None = None
+    jitter: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind == "never":
+            if (self.base_seconds, self.factor, self.max_seconds) != (None, None, None):
+                raise InvalidOptionError("retry", "a 'never' policy takes no delays")
+        elif self.kind == "fixed":
+            if self.base_seconds is None or self.factor is not None or self.max_seconds is not None:
+                raise InvalidOptionError("retry", "a 'fixed' policy takes only base_seconds")
+            check_seconds("retry.delay", self.base_seconds)
+        elif self.kind == "exponential":
+            if self.base_seconds is None or self.factor is None or self.max_seconds is None:
+                raise InvalidOptionError(
+                    "retry", "an 'exponential' policy needs base_seconds, factor and max_seconds"
+                )
+            check_seconds("retry.base", self.base_seconds)
+            check_seconds("retry.max", self.max_seconds)
+            if not (math.isfinite(self.factor) and self.factor >= 1):
+                raise InvalidOptionError("retry.factor", f"must be >= 1, got {self.factor!r}")
+            if self.max_seconds < self.base_seconds:
+                raise InvalidOptionError("retry.max", "must not be smaller than base")
+        else:
+            raise InvalidOptionError("retry", f"unknown policy kind {self.kind!r}")
+
+    @classmethod
+    def never(cls) -> RetryPolicy:
+        """The first failure is final."""
+        return cls("never")
+
+    @classmethod
+    def fixed(cls, delay: float, *, jitter: bool = True) -> RetryPolicy:
+        """Wait ``delay`` seconds (with jitter: up to ``delay``) before each retry."""
+        return cls("fixed", base_seconds=float(delay), jitter=jitter)
+
+    @classmethod
+    def exponential(
+        cls, *, base: float = 1.0, factor: float = 2.0, max: float = 60.0, jitter: bool = True
+    ) -> RetryPolicy:
+        """Wait ``base * factor ** (failures - 1)`` seconds, capped at ``max``.
+
+        With jitter (the default) the wait is uniform in ``[0, that ceiling]``.
+        """
+        return cls(
+            "exponential", base_seconds=float(base), factor=float(factor),
+            max_seconds=float(max), jitter=jitter,
+        )
+
+    def ceiling(self, failed_attempts: int) -> float | None:
+        """The longest wait after ``failed_attempts`` failures (>= 1); None means no retry."""
+        if failed_attempts < 1:
+            raise ValueError("failed_attempts counts the failure just recorded, so it is >= 1")
+        if self.kind == "never":
+            return None
+        assert self.base_seconds is not None
+        if self.kind == "fixed":
+            return self.base_seconds
+        assert self.factor is not None
+        assert self.max_seconds is not None
+        # Compare in log space so a huge exponent saturates at the cap instead of overflowing.
+        exponent = failed_attempts - 1
+        if self.base_seconds == 0:
+            return 0.0
+        if self.factor == 1 or exponent * math.log(self.factor) < math.log(
+            self.max_seconds / self.base_seconds
+        ):
+            return min(self.base_seconds * self.factor**exponent, self.max_seconds)
+        return self.max_seconds
+
+    def delay(self, failed_attempts: int, rng: random.Random | None = None) -> float | None:
+        """Seconds to wait before the next attempt, jitter applied; None means do not retry."""
+        ceiling = self.ceiling(failed_attempts)
+        if ceiling is None or not self.jitter:
+            return ceiling
+        return (rng or _RNG).uniform(0.0, ceiling)
+
+
+# Jitter needs spread, not secrecy.
+_RNG = random.Random()  # noqa: S311

@@ -1,0 +1,432 @@
+"""Transactional enqueue: the task commits or rolls back with the caller's transaction."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy import Engine, create_engine, event, func, select, text, update
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+from sqlalchemy.orm import Session
+
+from sqlalchemy_pgtask import (
+    EnqueueRequest,
+    IdempotencyKey,
+    Queue,
+    QueueFull,
+    Task,
+    enqueue,
+    enqueue_async,
+    enqueue_many,
+    enqueue_many_async,
+)
+
+
+def task_count(engine: Engine) -> int:
+    with engine.connect() as connection:
+        return connection.execute(select(func.count()).select_from(Task)).scalar_one()
+
+
+# -- commit and rollback, for every kind of bind -------------------------------------------
+
+
+@pytest.mark.parametrize("outcome", ["commit", "rollback"])
+def test_session_enqueue_follows_the_business_transaction(
+    pgtask_engine: Engine, outcome: str
+) -> None:
+    with Session(pgtask_engine) as session:
+        session.add(Queue(name="business-row"))  # stands in for the caller's own data
+        result = enqueue(session, "send-receipt", {"order": 1})
+        getattr(session, outcome)()
+    assert result.created
+    expected = 1 if outcome == "commit" else 0
+    assert task_count(pgtask_engine) == expected
+    with pgtask_engine.connect() as connection:
+        queues = connection.execute(select(func.count()).select_from(Queue)).scalar_one()
+    assert queues == expected
+
+
+@pytest.mark.parametrize("outcome", ["commit", "rollback"])
+def test_connection_enqueue_follows_the_business_transaction(
+    pgtask_engine: Engine, outcome: str
+) -> None:
+    with pgtask_engine.connect() as connection:
+        enqueue(connection, "send-receipt", {"order": 1})
+        getattr(connection, outcome)()
+    assert task_count(pgtask_engine) == (1 if outcome == "commit" else 0)
+
+
+@pytest.mark.parametrize("outcome", ["commit", "rollback"])
+async def test_async_session_enqueue_follows_the_business_transaction(
+    pgtask_async_engine: AsyncEngine, pgtask_engine: Engine, outcome: str
+) -> None:
+    async with AsyncSession(pgtask_async_engine) as session:
+        await enqueue_async(session, "send-receipt", {"order": 1})
+        await enqueue_many_async(session, [EnqueueRequest(name="audit", payload=2)])
+        await getattr(session, outcome)()
+    assert task_count(pgtask_engine) == (2 if outcome == "commit" else 0)
+
+
+@pytest.mark.parametrize("outcome", ["commit", "rollback"])
+async def test_async_connection_enqueue_follows_the_business_transaction(
+    pgtask_async_engine: AsyncEngine, pgtask_engine: Engine, outcome: str
+) -> None:
+    async with pgtask_async_engine.connect() as connection:
+        await enqueue_async(connection, "send-receipt", {"order": 1})
+        await getattr(connection, outcome)()
+    assert task_count(pgtask_engine) == (1 if outcome == "commit" else 0)
+
+
+def test_enqueue_is_invisible_to_others_until_commit(pgtask_engine: Engine) -> None:
+    with Session(pgtask_engine) as session:
+        enqueue(session, "t", None)
+        assert task_count(pgtask_engine) == 0
+        session.commit()
+    assert task_count(pgtask_engine) == 1
+
+
+def test_enqueue_neither_flushes_nor_commits_the_session(pgtask_engine: Engine) -> None:
+    with Session(pgtask_engine) as session:
+        pending = Queue(name="not-flushed")
+        session.add(pending)
+        enqueue(session, "t", None)
+        assert pending in session.new  # still unflushed
+        assert session.in_transaction()
+        session.rollback()
+    assert task_count(pgtask_engine) == 0
+
+
+def test_enqueue_uses_one_statement_and_opens_no_connection(pgtask_engine: Engine) -> None:
+    statements: list[str] = []
+    checkouts: list[object] = []
+    event.listen(pgtask_engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
+    event.listen(pgtask_engine.pool, "checkout", lambda *a: checkouts.append(a))
+    with pgtask_engine.connect() as connection:
+        connection.execute(text("SELECT 1"))
+        statements.clear()
+        checkouts.clear()
+        enqueue(connection, "t", {"a": 1})
+        enqueue_many(connection, [EnqueueRequest(name="t", payload=i) for i in range(50)])
+        connection.commit()
+    assert len(statements) == 2
+    assert checkouts == []
+
+
+# -- what gets stored ----------------------------------------------------------------------
+
+
+def test_enqueue_stores_every_option(pgtask_engine: Engine) -> None:
+    run_at = datetime(2031, 5, 17, 8, 30, tzinfo=timezone.utc)
+    with Session(pgtask_engine) as session:
+        result = enqueue(
+            session, "report.build", {"id": [1, 2]}, queue="reports", version=3,
+            run_at=run_at, priority=-7, max_attempts=9, headers={"traceparent": "00-x"},
+        )
+        session.commit()
+        task = session.get_one(Task, result.id)
+    assert (task.name, task.queue, task.version, task.payload) == (
+        "report.build", "reports", 3, {"id": [1, 2]},
+    )
+    assert (task.state, task.priority, task.max_attempts, task.attempt) == ("pending", -7, 9, 0)
+    assert task.run_at == run_at
+    assert task.headers == {"traceparent": "00-x"}
+    assert task.failed_attempts == 0
+    assert task.idempotency_key is None
+
+
+def test_defaults_queue_version_priority_and_attempts(pgtask_engine: Engine) -> None:
+    with Session(pgtask_engine) as session:
+        task = session.get_one(Task, enqueue(session, "t").id)
+    assert (task.queue, task.version, task.priority, task.max_attempts) == ("default", 1, 0, 5)
+    assert task.payload is None
+    assert task.headers == {}
+
+
+@pytest.mark.parametrize("delay", [90, 90.0, timedelta(seconds=90)])
+def test_delay_is_resolved_with_database_time(pgtask_engine: Engine, delay: Any) -> None:
+    with Session(pgtask_engine) as session:
+        # Inside a transaction that began earlier, "now" must still be the statement's time.
+        session.execute(text("SELECT pg_sleep(0.05)"))
+        task_id = enqueue(session, "t", None, delay=delay).id
+        session.commit()
+        run_at, created_at, began = session.execute(
+            select(Task.run_at, Task.created_at, func.now()).where(Task.id == task_id)
+        ).one()
+    # created_at is the server's statement_timestamp() of the same INSERT.
+    assert run_at - created_at == timedelta(seconds=90)
+
+
+def test_run_at_in_the_past_is_allowed(pgtask_engine: Engine) -> None:
+    past = datetime(2001, 1, 1, tzinfo=timezone.utc)
+    with Session(pgtask_engine) as session:
+        task = session.get_one(Task, enqueue(session, "t", run_at=past).id)
+    assert task.run_at == past
+
+
+def test_enqueue_many_returns_results_in_order_in_one_round_trip(pgtask_engine: Engine) -> None:
+    requests = [EnqueueRequest(name=f"t{i}", payload={"i": i}, priority=i) for i in range(200)]
+    with Session(pgtask_engine) as session:
+        results = enqueue_many(session, requests)
+        session.commit()
+        stored = {row.id: row.payload for row in session.execute(select(Task.id, Task.payload))}
+    assert [stored[r.id] for r in results] == [{"i": i} for i in range(200)]
+    assert all(r.created for r in results)
+    assert len({r.id for r in results}) == 200
+
+
+def test_enqueue_many_of_nothing_runs_no_sql(pgtask_engine: Engine) -> None:
+    with pgtask_engine.connect() as connection:
+        assert enqueue_many(connection, []) == []
+        assert not connection.in_transaction()
+
+
+def test_enqueue_many_is_all_or_nothing_when_the_database_rejects_one(
+    pgtask_engine: Engine,
+) -> None:
+    with Session(pgtask_engine) as session:
+        session.add(Queue(name="tiny", max_outstanding_tasks=4))
+        session.commit()
+    with Session(pgtask_engine) as session:
+        with pytest.raises(QueueFull):
+            enqueue_many(session, [EnqueueRequest(name="t", queue="tiny") for _ in range(5)])
+        session.rollback()
+    assert task_count(pgtask_engine) == 0
+
+
+# -- notifications -------------------------------------------------------------------------
+
+
+def _listener(database_url: str) -> psycopg.Connection[Any]:
+    conninfo = database_url.replace("postgresql+psycopg://", "postgresql://")
+    listener = psycopg.connect(conninfo, autocommit=True)
+    listener.execute("LISTEN pgtask_ready")
+    return listener
+
+
+def test_committed_enqueue_notifies_once_per_queue(
+    pgtask_engine: Engine, pgtask_database_url: str
+) -> None:
+    with _listener(pgtask_database_url) as listener:
+        with Session(pgtask_engine) as session:
+            enqueue_many(
+                session,
+                [EnqueueRequest(name="t", queue=q) for q in ["a", "a", "b", "a", "b"]],
+            )
+            enqueue(session, "t", queue="a")
+            session.commit()
+        with Session(pgtask_engine) as session:
+            enqueue(session, "t", queue="rolled-back")
+            session.rollback()
+        payloads = sorted(n.payload for n in listener.notifies(timeout=1.0, stop_after=10))
+    assert payloads == ["a", "b"]
+
+
+# -- capacity ------------------------------------------------------------------------------
+
+
+def test_capacity_raises_pt001_and_frees_when_a_task_finishes(pgtask_engine: Engine) -> None:
+    with Session(pgtask_engine) as session:
+        session.add(Queue(name="small", max_outstanding_tasks=2))
+        session.commit()
+        first = enqueue(session, "t", queue="small").id
+        enqueue(session, "t", queue="small")
+        session.commit()
+        with pytest.raises(QueueFull, match="capacity of 2") as caught:
+            enqueue(session, "t", queue="small")
+        assert caught.value.__cause__ is not None
+        assert getattr(caught.value.__cause__.orig, "sqlstate", None) == "PT001"  # type: ignore[attr-defined]
+        session.rollback()
+        # A terminal transition frees one slot, whoever writes it.
+        session.execute(
+            update(Task).where(Task.id == first)
+            .values(state="cancelled", completed_at=func.statement_timestamp())
+        )
+        enqueue(session, "t", queue="small")
+        session.commit()
+        assert session.get_one(Queue, "small").outstanding_tasks == 2
+    assert task_count(pgtask_engine) == 3
+
+
+def test_unlimited_queues_take_no_queue_row_lock(pgtask_engine: Engine) -> None:
+    with Session(pgtask_engine) as session:
+        session.add(Queue(name="open"))
+        session.commit()
+    with pgtask_engine.connect() as holder:
+        # Another transaction holds the queue row; an unlimited enqueue must not wait for it.
+        holder.execute(select(Queue).where(Queue.name == "open").with_for_update())
+        with pgtask_engine.connect() as producer:
+            producer.execute(text("SET lock_timeout = '500ms'"))
+            enqueue(producer, "t", queue="open")
+            producer.commit()
+        holder.rollback()
+    assert task_count(pgtask_engine) == 1
+
+
+# -- idempotency ---------------------------------------------------------------------------
+
+
+def test_duplicate_key_returns_the_reserved_task(pgtask_engine: Engine) -> None:
+    with Session(pgtask_engine) as session:
+        first = enqueue(session, "t", {"v": 1}, idempotency_key="order-7")
+        session.commit()
+        second = enqueue(session, "t", {"v": 2}, idempotency_key="order-7")
+        session.commit()
+        other_queue = enqueue(session, "t", {"v": 3}, queue="q2", idempotency_key="order-7")
+        session.commit()
+    assert first.created and not second.created and other_queue.created
+    assert second.id == first.id
+    assert other_queue.id != first.id
+    assert task_count(pgtask_engine) == 2
+
+
+def test_rolled_back_idempotent_enqueue_leaves_no_reservation(pgtask_engine: Engine) -> None:
+    with Session(pgtask_engine) as session:
+        enqueue(session, "t", idempotency_key="k")
+        session.rollback()
+        assert session.scalar(select(func.count()).select_from(IdempotencyKey)) == 0
+        again = enqueue(session, "t", idempotency_key="k")
+        session.commit()
+    assert again.created
+
+
+def test_duplicate_keys_inside_one_batch_create_one_task(pgtask_engine: Engine) -> None:
+    requests = [
+        EnqueueRequest(name="t", payload=0, idempotency_key="same"),
+        EnqueueRequest(name="t", payload=1),
+        EnqueueRequest(name="t", payload=2, idempotency_key="same"),
+    ]
+    with Session(pgtask_engine) as session:
+        results = enqueue_many(session, requests)
+        session.commit()
+    assert [r.created for r in results] == [True, True, False]
+    assert results[2].id == results[0].id
+    assert task_count(pgtask_engine) == 2
+
+
+def test_concurrent_producers_of_one_key_create_exactly_one_task(
+    pgtask_database_url: str, pgtask_engine: Engine
+) -> None:
+    producers = 10
+    engine = create_engine(pgtask_database_url, pool_size=producers, max_overflow=0)
+    barrier = threading.Barrier(producers)
+    results: list[tuple[uuid.UUID, bool]] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def produce() -> None:
+        try:
+            with engine.connect() as connection:
+                connection.execute(text("SELECT 1"))  # connected before the race starts
+                barrier.wait(timeout=30)
+                result = enqueue(connection, "t", idempotency_key="the-one")
+                connection.commit()
+            with lock:
+                results.append((result.id, result.created))
+        except BaseException as exc:  # reported below; a thread cannot raise into the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=produce) for _ in range(producers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    engine.dispose()
+    assert errors == []
+    assert len(results) == producers
+    assert sum(created for _, created in results) == 1
+    assert len({task_id for task_id, _ in results}) == 1
+    assert task_count(pgtask_engine) == 1
+
+
+def _finish(session: Session, task_id: uuid.UUID, state: str = "succeeded") -> None:
+    session.execute(
+        update(Task).where(Task.id == task_id)
+        .values(state=state, completed_at=func.statement_timestamp())
+    )
+
+
+def test_key_expires_retention_after_its_task_finishes(pgtask_engine: Engine) -> None:
+    with Session(pgtask_engine) as session:
+        session.add(Queue(name="q", idempotency_retention_seconds=3600))
+        task_id = enqueue(session, "t", queue="q", idempotency_key="k").id
+        session.commit()
+        assert session.get_one(IdempotencyKey, ("q", "k")).expires_at is None
+        _finish(session, task_id)
+        session.commit()
+        completed_at = session.get_one(Task, task_id).completed_at
+        key = session.get_one(IdempotencyKey, ("q", "k"))
+        session.refresh(key)
+    assert completed_at is not None
+    assert key.expires_at == completed_at + timedelta(hours=1)
+
+
+def test_expired_reservation_is_reused_by_a_new_task(pgtask_engine: Engine) -> None:
+    with Session(pgtask_engine) as session:
+        session.add(Queue(name="q", idempotency_retention_seconds=0))
+        old = enqueue(session, "t", queue="q", idempotency_key="k").id
+        session.commit()
+        _finish(session, old, "failed")
+        session.commit()
+        new = enqueue(session, "t", queue="q", idempotency_key="k")
+        session.commit()
+        key = session.get_one(IdempotencyKey, ("q", "k"))
+    assert new.created
+    assert new.id != old
+    assert key.task_id == new.id
+    assert key.expires_at is None  # the new task is unfinished
+
+
+def test_deleting_history_does_not_release_an_unexpired_key(pgtask_engine: Engine) -> None:
+    with Session(pgtask_engine) as session:
+        first = enqueue(session, "t", idempotency_key="k").id
+        session.commit()
+        session.execute(Task.__table__.delete().where(Task.__table__.c.id == first))
+        session.commit()
+        again = enqueue(session, "t", idempotency_key="k")
+        session.commit()
+        key = session.get_one(IdempotencyKey, ("default", "k"))
+    assert again == (first, False)
+    assert key.expires_at is not None  # deletion started the retention clock
+    assert task_count(pgtask_engine) == 0
+
+
+def test_duplicate_succeeds_while_the_queue_is_full(pgtask_engine: Engine) -> None:
+    with Session(pgtask_engine) as session:
+        session.add(Queue(name="one", max_outstanding_tasks=1))
+        session.commit()
+        first = enqueue(session, "t", queue="one", idempotency_key="k")
+        session.commit()
+        duplicate = enqueue(session, "t", queue="one", idempotency_key="k")
+        session.commit()
+    assert duplicate == (first.id, False)
+
+
+# -- transaction left usable after bad input -----------------------------------------------
+
+
+BadCall = Callable[[Session], object]
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda s: enqueue(s, "bad name"), id="invalid-name"),
+        pytest.param(lambda s: enqueue_many(
+            s, [EnqueueRequest(name="ok"), EnqueueRequest(name="ok", payload={1, 2})]
+        ), id="batch-with-one-bad-payload"),
+    ],
+)
+def test_bad_input_leaves_the_transaction_usable(pgtask_engine: Engine, call: BadCall) -> None:
+    with Session(pgtask_engine) as session:
+        enqueue(session, "before")
+        with pytest.raises(ValueError):  # every ValidationError is also a ValueError
+            call(session)
+        enqueue(session, "after")
+        session.commit()
+        names = sorted(session.scalars(select(Task.name)).all())
+    assert names == ["after", "before"]

@@ -1,0 +1,228 @@
+"""The shipped revisions and the models describe one schema (no drift).
+
+Revisions applied to an empty database must produce exactly what ``metadata.create_all``
+produces from the models, as PostgreSQL's own catalog reports it; Alembic's autogenerate must
+see no difference either; and the triggers that only the revisions create must exist.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import re
+from collections.abc import Iterator
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Connection, Engine, create_engine, text
+
+from sqlalchemy_pgtask import metadata
+from sqlalchemy_pgtask._server import ServerInfo
+from sqlalchemy_pgtask.alembic_env import include_name
+from sqlalchemy_pgtask.migrations import upgrade
+from sqlalchemy_pgtask.testing import create_database, drop_database
+
+# One catalog fact per row, for every object of schema pgtask except the standalone
+# migrator's version table (which create_all never makes).
+_RELATIONS = text("""
+    SELECT c.relname, c.relkind::text, c.relpersistence::text,
+           coalesce((SELECT array_agg(o ORDER BY o) FROM unnest(c.reloptions) AS o), '{}'),
+           obj_description(c.oid, 'pg_class')
+    FROM pg_class AS c
+    JOIN pg_namespace AS n ON n.oid = c.relnamespace
+    WHERE n.nspname = 'pgtask'
+      AND c.relname NOT IN ('alembic_version', 'alembic_version_pkc')
+""")
+_COLUMNS = text("""
+    SELECT c.relname, a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull,
+           pg_get_expr(d.adbin, d.adrelid), a.attidentity::text, a.attgenerated::text,
+           coll.collname, col_description(c.oid, a.attnum)
+    FROM pg_attribute AS a
+    JOIN pg_class AS c ON c.oid = a.attrelid
+    JOIN pg_namespace AS n ON n.oid = c.relnamespace
+    LEFT JOIN pg_attrdef AS d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+    LEFT JOIN pg_collation AS coll
+        ON coll.oid = a.attcollation AND a.attcollation <> (
+            SELECT t.typcollation FROM pg_type AS t WHERE t.oid = a.atttypid)
+    WHERE n.nspname = 'pgtask' AND c.relkind IN ('r', 'p') AND a.attnum > 0
+      AND NOT a.attisdropped AND c.relname <> 'alembic_version'
+""")
+_CONSTRAINTS = text("""
+    SELECT c.relname, con.conname, con.contype::text, pg_get_constraintdef(con.oid)
+    FROM pg_constraint AS con
+    JOIN pg_class AS c ON c.oid = con.conrelid
+    JOIN pg_namespace AS n ON n.oid = c.relnamespace
+    WHERE n.nspname = 'pgtask' AND c.relname <> 'alembic_version'
+""")
+_INDEXES = text("""
+    SELECT t.relname, i.relname, pg_get_indexdef(x.indexrelid)
+    FROM pg_index AS x
+    JOIN pg_class AS i ON i.oid = x.indexrelid
+    JOIN pg_class AS t ON t.oid = x.indrelid
+    JOIN pg_namespace AS n ON n.oid = t.relnamespace
+    WHERE n.nspname = 'pgtask' AND t.relname <> 'alembic_version'
+""")
+
+
+
+def _documented_triggers() -> set[str]:
+    """The triggers the 0001 revision's docstring promises (``tasks_...`` names)."""
+    revision = importlib.import_module("sqlalchemy_pgtask.migrations.versions.pgtask_0001_initial")
+    return set(re.findall(r"``(tasks_\w+)``", revision.__doc__ or ""))
+
+
+def catalog_snapshot(connection: Connection) -> list[str]:
+    """Schema pgtask as sorted, readable lines: relations, columns, constraints, indexes."""
+    lines: list[str] = []
+    for name, kind, persistence, options, comment in connection.execute(_RELATIONS):
+        lines.append(
+            f"relation {name}: kind={kind} persistence={persistence} options={options}"
+            f" comment={comment!r}"
+        )
+    for table, column, type_, not_null, default, identity, generated, collation, comment in (
+        connection.execute(_COLUMNS)
+    ):
+        facts = [type_, "NOT NULL" if not_null else "NULL"]
+        facts += [f"DEFAULT {default}"] if default is not None else []
+        facts += [f"identity={identity}"] if identity else []
+        facts += [f"generated={generated}"] if generated else []
+        facts += [f"COLLATE {collation}"] if collation is not None else []
+        facts += [f"comment={comment!r}"] if comment is not None else []
+        lines.append(f"column {table}.{column}: {' '.join(facts)}")
+    for table, name, kind, definition in connection.execute(_CONSTRAINTS):
+        lines.append(f"constraint {table}.{name} [{kind}]: {definition}")
+    for table, name, definition in connection.execute(_INDEXES):
+        lines.append(f"index {table}.{name}: {definition}")
+    return sorted(lines)
+
+
+def _snapshot(url: str) -> list[str]:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as connection:
+            return catalog_snapshot(connection)
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def migrated_url(pgtask_empty_database_url: str) -> str:
+    """An empty database with the shipped revisions applied by the standalone migrator."""
+    upgrade(pgtask_empty_database_url)
+    return pgtask_empty_database_url
+
+
+@pytest.fixture
+def models_url(pgtask_server: ServerInfo) -> Iterator[str]:
+    """A second empty database where the models are created with ``create_all``."""
+    url = create_database(pgtask_server.url, "pgtask_models")
+    engine = create_engine(url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(text("CREATE SCHEMA pgtask"))
+            metadata.create_all(connection)
+        yield url
+    finally:
+        engine.dispose()
+        drop_database(url)
+
+
+@pytest.fixture
+def migrated_engine(migrated_url: str) -> Iterator[Engine]:
+    engine = create_engine(migrated_url)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+def test_revisions_on_an_empty_database_build_exactly_the_models_schema(
+    migrated_url: str, models_url: str
+) -> None:
+    from_revisions = _snapshot(migrated_url)
+    from_models = _snapshot(models_url)
+
+    # The comparison is only as good as the snapshot: it must see every kind of object.
+    assert {line.split(" ", 1)[0] for line in from_models} == {
+        "relation", "column", "constraint", "index",
+    }
+    assert "relation tasks: kind=r" in "\n".join(from_models)
+    diff = "\n".join(
+        difflib.unified_diff(
+            from_models, from_revisions, "models (create_all)", "revisions (upgrade)",
+            lineterm="",
+        )
+    )
+    assert from_revisions == from_models, f"schema drift:\n{diff}"
+
+
+def _compare(connection: Connection, *, with_include_name: bool) -> list[object]:
+    context = MigrationContext.configure(
+        connection,
+        opts={
+            "include_schemas": True,
+            "compare_type": True,
+            "compare_server_default": True,
+            "include_name": include_name if with_include_name else None,
+            "target_metadata": metadata,
+        },
+    )
+    return list(compare_metadata(context, metadata))
+
+
+def test_autogenerate_finds_no_difference_between_revisions_and_models(
+    migrated_engine: Engine,
+) -> None:
+    with migrated_engine.connect() as connection:
+        differences = _compare(connection, with_include_name=True)
+
+    assert differences == []
+
+
+def test_include_name_hides_the_standalone_migrators_version_table(
+    migrated_engine: Engine,
+) -> None:
+    # The filter is what keeps pgtask.alembic_version out of autogenerate: without it,
+    # Alembic would propose to drop that table (so the test above is not vacuous).
+    with migrated_engine.connect() as connection:
+        unfiltered = _compare(connection, with_include_name=False)
+        filtered = _compare(connection, with_include_name=True)
+
+    removed = [
+        (diff[1].schema, diff[1].name)
+        for diff in unfiltered
+        if isinstance(diff, tuple) and diff[0] == "remove_table"
+    ]
+    assert ("pgtask", "alembic_version") in removed
+    assert filtered == []
+
+
+def test_revisions_create_the_documented_triggers_and_their_functions(
+    migrated_engine: Engine,
+) -> None:
+    documented = _documented_triggers()
+    with migrated_engine.connect() as connection:
+        triggers = connection.execute(text("""
+            SELECT t.tgname, c.relname, pn.nspname, p.proname, t.tgenabled::text
+            FROM pg_trigger AS t
+            JOIN pg_class AS c ON c.oid = t.tgrelid
+            JOIN pg_namespace AS n ON n.oid = c.relnamespace
+            JOIN pg_proc AS p ON p.oid = t.tgfoid
+            JOIN pg_namespace AS pn ON pn.oid = p.pronamespace
+            WHERE n.nspname = 'pgtask' AND NOT t.tgisinternal
+        """)).all()
+        trigger_functions = set(
+            connection.execute(text("""
+                SELECT p.proname FROM pg_proc AS p
+                JOIN pg_namespace AS n ON n.oid = p.pronamespace
+                WHERE n.nspname = 'pgtask' AND p.prorettype = 'trigger'::regtype
+            """)).scalars()
+        )
+
+    assert len(documented) >= 5, f"could not read the trigger list from the docstring: {documented}"
+    assert {name for name, *_ in triggers} == documented
+    # Every trigger is enabled and runs a function of schema pgtask ...
+    assert {(schema, enabled) for _, _, schema, _, enabled in triggers} == {("pgtask", "O")}
+    # ... and every trigger function there is used by one of them (nothing left behind).
+    assert trigger_functions == {function for *_, function, _ in triggers}

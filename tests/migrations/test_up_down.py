@@ -1,0 +1,173 @@
+"""The standalone migrator: up, down to base, up again; idempotent; safe when run concurrently."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import Connection, Engine, create_engine, text
+
+from sqlalchemy_pgtask.migrations import (
+    ADVISORY_LOCK_KEY,
+    current_revision,
+    downgrade,
+    head_revision,
+    upgrade,
+)
+from tests.migrations.test_drift import catalog_snapshot
+
+
+@pytest.fixture
+def empty_engine(pgtask_empty_database_url: str) -> Iterator[Engine]:
+    engine = create_engine(pgtask_empty_database_url)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+def _relations(connection: Connection) -> set[str]:
+    return set(
+        connection.execute(text("""
+            SELECT c.relname FROM pg_class AS c
+            JOIN pg_namespace AS n ON n.oid = c.relnamespace
+            WHERE n.nspname = 'pgtask'
+        """)).scalars()
+    )
+
+
+def _functions(connection: Connection) -> set[str]:
+    return set(
+        connection.execute(text("""
+            SELECT p.proname FROM pg_proc AS p
+            JOIN pg_namespace AS n ON n.oid = p.pronamespace
+            WHERE n.nspname = 'pgtask'
+        """)).scalars()
+    )
+
+
+def _revision(engine: Engine) -> str | None:
+    with engine.connect() as connection:
+        return current_revision(connection)
+
+
+def _snapshot(engine: Engine) -> list[str]:
+    with engine.connect() as connection:
+        return catalog_snapshot(connection)
+
+
+def test_current_revision_is_none_before_and_head_after_upgrade(
+    pgtask_empty_database_url: str, empty_engine: Engine
+) -> None:
+    assert _revision(empty_engine) is None
+
+    upgrade(pgtask_empty_database_url)
+
+    assert _revision(empty_engine) == head_revision()
+
+
+def test_downgrade_to_base_removes_every_object_and_upgrade_rebuilds_the_same_schema(
+    pgtask_empty_database_url: str, empty_engine: Engine
+) -> None:
+    upgrade(pgtask_empty_database_url)
+    installed = _snapshot(empty_engine)
+    with empty_engine.connect() as connection:
+        assert "tasks" in _relations(connection)
+        assert _functions(connection)
+
+    downgrade(pgtask_empty_database_url, "pgtask@base")
+
+    with empty_engine.connect() as connection:
+        # Only the standalone migrator's (now empty) version table may remain.
+        assert _relations(connection) <= {"alembic_version", "alembic_version_pkc"}
+        assert _functions(connection) == set()
+    assert _revision(empty_engine) is None
+
+    upgrade(pgtask_empty_database_url)
+
+    assert _revision(empty_engine) == head_revision()
+    assert _snapshot(empty_engine) == installed
+
+
+def test_a_second_upgrade_changes_nothing(
+    pgtask_empty_database_url: str, empty_engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    upgrade(pgtask_empty_database_url)
+    with empty_engine.begin() as connection:
+        connection.execute(text("INSERT INTO pgtask.queues (name) VALUES ('kept')"))
+        tasks_oid = connection.execute(text("SELECT 'pgtask.tasks'::regclass::oid")).scalar()
+    installed = _snapshot(empty_engine)
+
+    with caplog.at_level(logging.INFO, logger="alembic.runtime.migration"):
+        upgrade(pgtask_empty_database_url)
+
+    assert not [r for r in caplog.records if r.getMessage().startswith("Running upgrade")]
+    with empty_engine.connect() as connection:
+        assert connection.execute(text("SELECT 'pgtask.tasks'::regclass::oid")).scalar() == (
+            tasks_oid
+        )
+        assert connection.execute(text("SELECT name FROM pgtask.queues")).scalars().all() == [
+            "kept"
+        ]
+    assert _snapshot(empty_engine) == installed
+    assert _revision(empty_engine) == head_revision()
+
+
+def _wait_for_advisory_lock_waiters(engine: Engine, count: int, timeout: float = 60) -> None:
+    """Poll pg_locks until ``count`` sessions of this database wait for an advisory lock."""
+    deadline = time.monotonic() + timeout
+    with engine.connect() as connection:
+        while True:
+            waiting = connection.execute(text("""
+                SELECT count(*) FROM pg_locks
+                WHERE locktype = 'advisory' AND NOT granted
+                  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+            """)).scalar_one()
+            connection.rollback()  # a fresh snapshot for the next look
+            if waiting >= count:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{waiting} of {count} upgrades wait for the lock")
+            time.sleep(0.01)  # polling interval, not synchronisation: the condition decides
+
+
+def test_concurrent_upgrades_of_an_empty_database_both_succeed_with_one_schema(
+    pgtask_empty_database_url: str, empty_engine: Engine
+) -> None:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            upgrade(pgtask_empty_database_url)
+        except BaseException as exc:  # reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    # Hold the migrator's lock so both upgrades are certain to be in flight at once.
+    with empty_engine.connect() as holder:
+        holder.execute(text("SELECT pg_advisory_lock(:key)"), {"key": ADVISORY_LOCK_KEY})
+        for thread in threads:
+            thread.start()
+        try:
+            _wait_for_advisory_lock_waiters(empty_engine, 2)
+        finally:
+            holder.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": ADVISORY_LOCK_KEY})
+            holder.commit()
+            for thread in threads:
+                thread.join(timeout=120)
+
+    assert not any(thread.is_alive() for thread in threads)
+    assert errors == []
+    with empty_engine.connect() as connection:
+        versions = connection.execute(text("SELECT version_num FROM pgtask.alembic_version"))
+        assert versions.scalars().all() == [head_revision()]
+        assert connection.execute(text("""
+            SELECT count(*) FROM pg_namespace WHERE nspname = 'pgtask'
+        """)).scalar_one() == 1
+        assert connection.execute(text("""
+            SELECT count(*) FROM pg_trigger
+            WHERE tgrelid = 'pgtask.tasks'::regclass AND tgname = 'tasks_notify_inserted'
+        """)).scalar_one() == 1
