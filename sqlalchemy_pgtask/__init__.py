@@ -21,6 +21,7 @@ from importlib.metadata import version as _version
 from sqlalchemy_pgtask.client import (
     cancel,
     cancel_async,
+    configure_queue,
     get_task,
     get_task_async,
     wait_for_result,
@@ -97,6 +98,7 @@ __all__ = [
     "__version__",
     "cancel",
     "cancel_async",
+    "configure_queue",
     "enqueue",
     "enqueue_async",
     "enqueue_many",

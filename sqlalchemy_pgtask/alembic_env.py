@@ -70,8 +70,9 @@ def init_alembic_env(
     Writes ``env.py``, ``script.py.mako``, ``README`` and an empty ``versions/`` folder into
     ``directory``, and an ``alembic.ini`` at ``config_path`` (default: ``alembic.ini`` in the
     current directory) whose ``version_locations`` list both the new ``versions/`` folder and
-    ``sqlalchemy_pgtask:migrations/versions``. ``script_location`` is written relative to the
-    ini file (``%(here)s/...``) so the project can move.
+    ``sqlalchemy_pgtask:migrations/versions``. When ``directory`` is under the current
+    directory, ``script_location`` is written relative to the ini file (``%(here)s/...``) so
+    the project can move; otherwise it is written as an absolute path.
 
     Raises `PgTaskError` when ``directory`` exists and is not empty, when the ini file already
     exists (add pgtask to it by hand instead, as ``docs/alembic.md`` shows), or when the
@@ -86,12 +87,15 @@ def init_alembic_env(
             f"{ini} already exists; add pgtask to that environment by hand (docs/alembic.md)"
         )
     _template_directory()  # fail before creating anything
-    # Alembic writes a relative directory as "%(here)s/<path from the ini>", an absolute one
-    # verbatim; hand it a relative path whenever one exists so the project stays movable.
+    # Alembic writes a relative directory as "%(here)s/<path from the ini>" and an absolute
+    # one verbatim. Hand it a relative path when the directory is under the working
+    # directory (the usual case), so the project stays movable; its arithmetic is lexical,
+    # so never a path with "..".
+    absolute = Path(os.path.abspath(target))
     try:
-        location = Path(os.path.relpath(target.absolute()))
-    except ValueError:  # Windows: another drive than the working directory
-        location = target.absolute()
+        location = absolute.relative_to(Path.cwd())
+    except ValueError:
+        location = absolute
     try:
         command.init(_TemplateConfig(str(ini)), str(location), template=TEMPLATE)
     except CommandError as exc:

@@ -13,8 +13,8 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
-from typing import NoReturn
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
 
 from alembic.util import CommandError
 from sqlalchemy import Connection, create_engine, make_url, select, text
@@ -27,7 +27,7 @@ from sqlalchemy_pgtask.errors import (
     TaskNotFound,
     ValidationError,
 )
-from sqlalchemy_pgtask.models import Attempt, Task
+from sqlalchemy_pgtask.models import Attempt, Queue, Task
 from sqlalchemy_pgtask.registry import Registry
 
 __all__ = ["main"]
@@ -211,6 +211,53 @@ def _task_cancel(args: argparse.Namespace) -> int:
     return _with_connection(args, run)
 
 
+def _queue_set(args: argparse.Namespace) -> int:
+    from sqlalchemy_pgtask.client import configure_queue
+
+    options: dict[str, Any] = {}
+    if args.no_capacity:
+        options["max_outstanding_tasks"] = None
+    elif args.capacity is not None:
+        options["max_outstanding_tasks"] = args.capacity
+    if args.paused is not None:
+        options["paused"] = args.paused
+    if args.terminal_retention is not None:
+        options["terminal_retention_seconds"] = args.terminal_retention
+    if args.idempotency_retention is not None:
+        options["idempotency_retention_seconds"] = args.idempotency_retention
+
+    def run(connection: Connection) -> int:
+        row = configure_queue(connection, args.name, **options)
+        _print_queue(row)
+        return EXIT_OK
+
+    return _with_connection(args, run)
+
+
+def _print_queue(row: Mapping[str, Any]) -> None:
+    capacity = row["max_outstanding_tasks"]
+    limit = "unlimited" if capacity is None else f"{row['outstanding_tasks']}/{capacity}"
+    paused = f"paused since {row['paused_at']}" if row["paused_at"] else "active"
+    print(
+        f"{row['name']}: {paused}, capacity {limit}, terminal retention "
+        f"{row['terminal_retention_seconds']}s, idempotency retention "
+        f"{row['idempotency_retention_seconds']}s"
+    )
+
+
+def _queue_list(args: argparse.Namespace) -> int:
+    def run(connection: Connection) -> int:
+        queues = Queue.__table__
+        rows = connection.execute(select(queues).order_by(queues.c.name)).mappings().all()
+        if not rows:
+            print("no queue has settings; every queue uses the defaults")
+        for row in rows:
+            _print_queue(dict(row))
+        return EXIT_OK
+
+    return _with_connection(args, run)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from sqlalchemy_pgtask.demo import run_demo
 
@@ -256,7 +303,9 @@ def _parser() -> argparse.ArgumentParser:
             "pgtask's revisions and whose autogenerate ignores nothing it should compare."
         ),
     )
-    init.add_argument("directory", help="the new environment's directory (must not exist)")
+    init.add_argument(
+        "directory", help="the new environment's directory (absent or empty)"
+    )
     init.add_argument(
         "--config", default="alembic.ini", help="path of the alembic.ini to write"
     )
@@ -312,6 +361,29 @@ def _parser() -> argparse.ArgumentParser:
     cancel_parser.add_argument("task_id", metavar="TASK_ID")
     _add_url_option(cancel_parser)
     cancel_parser.set_defaults(handler=_task_cancel)
+
+    queue = commands.add_parser("queue", help="list or change queue settings")
+    queue_commands = queue.add_subparsers(dest="queue_command", metavar="ACTION", required=True)
+    queue_list = queue_commands.add_parser("list", help="queues with settings")
+    _add_url_option(queue_list)
+    queue_list.set_defaults(handler=_queue_list)
+    queue_set = queue_commands.add_parser(
+        "set", help="create or change a queue's settings (only the options given change)"
+    )
+    queue_set.add_argument("name", metavar="QUEUE")
+    capacity = queue_set.add_mutually_exclusive_group()
+    capacity.add_argument(
+        "--capacity", type=int, metavar="N", help="most pending + running + waiting tasks"
+    )
+    capacity.add_argument("--no-capacity", action="store_true", help="remove the limit")
+    pause = queue_set.add_mutually_exclusive_group()
+    pause.add_argument("--pause", dest="paused", action="store_const", const=True,
+                       help="stop claims (enqueues still accepted)")
+    pause.add_argument("--resume", dest="paused", action="store_const", const=False)
+    queue_set.add_argument("--terminal-retention", type=int, metavar="SECONDS")
+    queue_set.add_argument("--idempotency-retention", type=int, metavar="SECONDS")
+    _add_url_option(queue_set)
+    queue_set.set_defaults(handler=_queue_set, paused=None)
 
     demo = commands.add_parser(
         "demo",

@@ -8,21 +8,25 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Final
+from typing import Any, Final
 
 import psycopg
-from sqlalchemy import Engine, make_url, select
+from sqlalchemy import Engine, func, make_url, select, text
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask.enqueue import AsyncBind, SyncBind
 from sqlalchemy_pgtask.errors import InvalidOptionError, TaskNotFound
-from sqlalchemy_pgtask.models import TERMINAL_STATES, Task
+from sqlalchemy_pgtask.models import ACTIVE_STATES, TERMINAL_STATES, Queue, Task
+from sqlalchemy_pgtask.validation import check_int_range, check_queue_name
 
 __all__ = [
+    "UNSET",
     "cancel",
     "cancel_async",
+    "configure_queue",
     "get_task",
     "get_task_async",
     "wait_for_result",
@@ -155,3 +159,82 @@ async def wait_for_result_async(
             async for notification in listener.notifies(timeout=wait):
                 if notification.payload == str(wanted):
                     break
+
+
+class _Unset:
+    """Marks an option the caller did not pass (None is a meaningful value)."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Final = _Unset()
+
+
+def configure_queue(
+    bind: SyncBind,
+    name: str,
+    *,
+    max_outstanding_tasks: int | _Unset | None = UNSET,
+    terminal_retention_seconds: int | _Unset = UNSET,
+    idempotency_retention_seconds: int | _Unset = UNSET,
+    paused: bool | _Unset = UNSET,
+) -> dict[str, Any]:
+    """Create or change a queue's settings in ``bind``'s transaction; returns its row.
+
+    Only the options passed change. ``max_outstanding_tasks=None`` removes the capacity limit.
+    Turning a limit on recounts the queue's outstanding tasks; to count exactly it briefly
+    takes a lock on ``pgtask.tasks`` that waits for in-flight writes and blocks new ones until
+    the caller commits, so commit promptly. A paused queue accepts enqueues but nothing is
+    claimed from it until it is resumed. Never commits.
+    """
+    check_queue_name(name)
+    values: dict[str, Any] = {}
+    if not isinstance(max_outstanding_tasks, _Unset):
+        if max_outstanding_tasks is not None:
+            check_int_range("max_outstanding_tasks", max_outstanding_tasks, 1, 2**63 - 1)
+        values["max_outstanding_tasks"] = max_outstanding_tasks
+    for option, value in (
+        ("terminal_retention_seconds", terminal_retention_seconds),
+        ("idempotency_retention_seconds", idempotency_retention_seconds),
+    ):
+        if not isinstance(value, _Unset):
+            values[option] = check_int_range(option, value, 0, 2**63 - 1)
+    if not isinstance(paused, _Unset):
+        if not isinstance(paused, bool):
+            raise InvalidOptionError("paused", "must be a bool")
+        values["paused_at"] = func.coalesce(Queue.paused_at, func.statement_timestamp()) if (
+            paused
+        ) else None
+    connection = bind.connection() if isinstance(bind, Session) else bind
+    current = connection.execute(
+        select(Queue.max_outstanding_tasks).where(Queue.name == name).with_for_update()
+    ).first()
+    limiting = values.get("max_outstanding_tasks") is not None and (
+        current is None or current.max_outstanding_tasks is None
+    )
+    if limiting:
+        # Unlimited enqueues do not touch the counter; wait for them and hold new ones back.
+        connection.execute(text("LOCK TABLE pgtask.tasks IN SHARE ROW EXCLUSIVE MODE"))
+        values["outstanding_tasks"] = connection.execute(
+            select(func.count())
+            .select_from(Task)
+            .where(Task.queue == name, Task.state.in_(ACTIVE_STATES))
+        ).scalar_one()
+    elif "max_outstanding_tasks" in values and values["max_outstanding_tasks"] is None:
+        values["outstanding_tasks"] = 0
+    insert_values = {k: v for k, v in values.items() if k != "paused_at" or v is not None}
+    if "paused_at" in insert_values:
+        insert_values["paused_at"] = func.statement_timestamp()
+    statement = pg_insert(Queue).values(name=name, **insert_values)
+    if values:
+        statement = statement.on_conflict_do_update(
+            index_elements=[Queue.name],
+            set_={**values, "updated_at": func.statement_timestamp()},
+        )
+    else:
+        statement = statement.on_conflict_do_nothing(index_elements=[Queue.name])
+    connection.execute(statement)
+    queues = Queue.__table__
+    row = connection.execute(select(queues).where(queues.c.name == name)).mappings().one()
+    return dict(row)

@@ -19,8 +19,8 @@ from sqlalchemy_pgtask.validation import ERROR_MAX_BYTES, RESULT_MAX_BYTES, dump
 __all__ = ["error_document", "result_document"]
 
 _MESSAGE_MAX_CHARS: Final = 16 * 1024
-#: Room left for the other fields when the traceback is cut to fit ``ERROR_MAX_BYTES``.
-_ENVELOPE_BYTES: Final = 2 * 1024
+_TRACEBACK_MAX_CHARS: Final = 128 * 1024
+_TRUNCATED: Final = "...(truncated)\n"
 
 
 def _clean(text: str, limit: int) -> tuple[str, bool]:
@@ -37,8 +37,25 @@ def _qualified_name(exc_type: type[BaseException]) -> str:
     return name if module == "builtins" else f"{module}.{name}"
 
 
+def _describe(exc: BaseException) -> tuple[str, str]:
+    """The message and traceback of ``exc``, even when its ``__str__`` itself raises."""
+    try:
+        message = str(exc)
+    except Exception:
+        message = f"<unprintable {type(exc).__name__} object>"
+    try:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    except Exception:
+        tb = "".join(traceback.format_tb(exc.__traceback__)) + message
+    return message, tb
+
+
+def _encoded_size(document: dict[str, Any]) -> int:
+    return len(json.dumps(document, ensure_ascii=False).encode("utf-8"))
+
+
 def error_document(kind: str, exc: BaseException | None = None, **fields: Any) -> str:
-    """The JSON error stored on the task and its attempt.
+    """The JSON error stored on the task and its attempt; always within ``ERROR_MAX_BYTES``.
 
     ``kind`` says what happened (``handler_error``, ``fail``, ``result_rejected``,
     ``cancelled`` ...); with an exception the document also carries its type, message and
@@ -46,27 +63,35 @@ def error_document(kind: str, exc: BaseException | None = None, **fields: Any) -
     """
     document: dict[str, Any] = {"type": kind, **fields}
     if exc is not None:
-        message, cut = _clean(str(exc), _MESSAGE_MAX_CHARS)
+        raw_message, raw_tb = _describe(exc)
+        message, cut = _clean(raw_message, _MESSAGE_MAX_CHARS)
         document["exception"] = _qualified_name(type(exc))
         document["message"] = message
         if cut:
             document["message_truncated"] = True
-        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        budget = ERROR_MAX_BYTES - _ENVELOPE_BYTES - len(message.encode("utf-8"))
-        tb_clean, _ = _clean(tb, len(tb))
-        encoded = tb_clean.encode("utf-8")
-        if len(encoded) > budget // 2:
-            # Keep the end: the innermost frames say where it failed. JSON escaping can double
-            # the size of a traceback, hence the halved budget.
-            tail = encoded[-(budget // 2):].decode("utf-8", "ignore")
-            document["traceback"] = "...(truncated)\n" + tail
-            document["traceback_truncated"] = True
-        else:
-            document["traceback"] = tb_clean
-    text = json.dumps(document, ensure_ascii=False)
-    if len(text.encode("utf-8")) > ERROR_MAX_BYTES:  # pathological fields; keep the essentials
-        text = json.dumps({"type": kind, "truncated": True}, ensure_ascii=False)
-    return text
+        # Keep the end of a long traceback: the innermost frames say where it failed.
+        tail, tb_cut = _clean(raw_tb[-_TRACEBACK_MAX_CHARS:], _TRACEBACK_MAX_CHARS)
+        tb_cut = tb_cut or len(raw_tb) > _TRACEBACK_MAX_CHARS
+
+        def set_traceback() -> None:
+            document["traceback"] = _TRUNCATED + tail if tb_cut else tail
+            if tb_cut:
+                document["traceback_truncated"] = True
+
+        set_traceback()
+        # JSON escaping can multiply the size of odd text: halve what is longest until it fits.
+        while _encoded_size(document) > ERROR_MAX_BYTES:
+            if len(tail) > 256:
+                tail, tb_cut = tail[-(len(tail) // 2):], True
+                set_traceback()
+            elif len(document["message"]) > 256:
+                document["message"] = document["message"][: len(document["message"]) // 2]
+                document["message_truncated"] = True
+            else:
+                break
+    if _encoded_size(document) > ERROR_MAX_BYTES:  # pathological extra fields
+        document = {"type": kind, "truncated": True}
+    return json.dumps(document, ensure_ascii=False)
 
 
 def result_document(value: object) -> tuple[str | None, str | None]:

@@ -95,15 +95,11 @@ class RetryPolicy:
             return self.base_seconds
         assert self.factor is not None
         assert self.max_seconds is not None
-        # Compare in log space so a huge exponent saturates at the cap instead of overflowing.
-        exponent = failed_attempts - 1
-        if self.base_seconds == 0:
-            return 0.0
-        if self.factor == 1 or exponent * math.log(self.factor) < math.log(
-            self.max_seconds / self.base_seconds
-        ):
-            return min(self.base_seconds * self.factor**exponent, self.max_seconds)
-        return self.max_seconds
+        try:
+            ceiling = self.base_seconds * self.factor ** (failed_attempts - 1)
+        except OverflowError:  # a huge failure count saturates at the cap
+            return self.max_seconds
+        return min(ceiling, self.max_seconds)
 
     def delay(self, failed_attempts: int, rng: random.Random | None = None) -> float | None:
         """Seconds to wait before the next attempt, jitter applied; None means do not retry."""

@@ -141,6 +141,8 @@ def dump_json(field: str, value: object, max_bytes: int) -> str:
         text = json.dumps(value, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise PayloadError(field, f"is not JSON-serialisable: {exc}") from exc
+    except RecursionError as exc:
+        raise PayloadError(field, "is nested too deeply to serialise") from exc
     # Only a JSON escape can put NUL in the text, so the walk runs only when it is needed.
     if "\\u0000" in text:
         where = _find_nul(value, field)

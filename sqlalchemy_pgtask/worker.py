@@ -41,6 +41,7 @@ from typing import Any, Final, Literal, TypeVar
 import psycopg
 from sqlalchemy import make_url, text
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from sqlalchemy_pgtask import statements
@@ -140,8 +141,13 @@ class _Backoff:
 def _is_transient(exc: BaseException) -> bool:
     """A lost or refused connection: retry after backoff; the transaction outcome is unknown."""
     if isinstance(exc, DBAPIError):
-        return bool(exc.connection_invalidated) or isinstance(exc.orig, psycopg.OperationalError)
-    return isinstance(exc, (psycopg.OperationalError, OSError))
+        return bool(exc.connection_invalidated) or isinstance(
+            exc.orig, (psycopg.OperationalError, psycopg.InterfaceError)
+        )
+    return isinstance(
+        exc,
+        (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout, OSError),
+    )
 
 
 class _HandlerThreads:
@@ -738,7 +744,9 @@ class Worker:
         wait = interval
         while True:
             await asyncio.sleep(wait)
-            entries = [r for r in self._active.values() if not r.settled]
+            # Settled attempts are renewed too: their outcome may still wait for the writer
+            # (a database hiccup), and the lease must outlive that wait.
+            entries = list(self._active.values())
             if not entries:
                 wait = interval
                 continue

@@ -54,8 +54,8 @@ path_separator = newline
 
 # database URL, consumed by env.py only. The environment variable DATABASE_URL,
 # when set, overrides it (so this file need not hold a password). pgtask needs
-# PostgreSQL; "postgresql://" uses the psycopg (3) driver with SQLAlchemy 2.1,
-# write "postgresql+psycopg://" to be explicit.
+# PostgreSQL: "postgresql+psycopg://" names the psycopg (3) driver that
+# sqlalchemy-pgtask installs; with SQLAlchemy 2.0 a bare "postgresql://" means psycopg2.
 sqlalchemy.url = postgresql+psycopg://user:pass@localhost/dbname
 
 

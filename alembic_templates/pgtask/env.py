@@ -22,9 +22,11 @@ from sqlalchemy_pgtask.alembic_env import include_name, process_revision_directi
 # The Alembic Config object: access to the values of the .ini file in use.
 config = context.config
 
-# Interpret the config file for Python logging.
-if config.config_file_name is not None:
-    fileConfig(config.config_file_name)
+# Interpret the config file for Python logging. Loggers that already exist stay enabled, so
+# running Alembic from inside an application does not silence it; code that configures
+# logging itself passes Config(..., attributes={"configure_logger": False}).
+if config.config_file_name is not None and config.attributes.get("configure_logger", True):
+    fileConfig(config.config_file_name, disable_existing_loggers=False)
 
 # TODO: replace this empty MetaData with your models' metadata, for autogenerate support:
 #     from myapp.models import Base
@@ -34,6 +36,7 @@ app_metadata = MetaData()
 # Your tables and pgtask's: autogenerate must know pgtask's tables, or it would propose
 # dropping them.
 target_metadata = [app_metadata, sqlalchemy_pgtask.metadata]
+
 
 def database_url() -> str:
     """The URL to migrate: DATABASE_URL when set, else sqlalchemy.url from alembic.ini."""

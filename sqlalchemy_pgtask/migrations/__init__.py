@@ -14,6 +14,7 @@ never import ``sqlalchemy_pgtask.models``; the drift test proves both describe o
 
 from __future__ import annotations
 
+import threading
 from importlib.resources import files
 from pathlib import Path
 from typing import Final
@@ -58,7 +59,18 @@ def _config(connection: Connection) -> Config:
     return config
 
 
+#: Alembic's command API runs through process-wide proxies (``alembic.context``,
+#: ``alembic.op``): two migrations in one process must not interleave, whatever the database
+#: lock says. Processes are serialised by the advisory lock in ``env.py``.
+_PROCESS_LOCK: Final = threading.Lock()
+
+
 def _run(bind: Engine | Connection | str, action: str, revision: str) -> None:
+    with _PROCESS_LOCK:
+        _run_locked(bind, action, revision)
+
+
+def _run_locked(bind: Engine | Connection | str, action: str, revision: str) -> None:
     engine: Engine | None = None
     if isinstance(bind, str):
         engine = bind = create_engine(bind)

@@ -65,7 +65,6 @@ _INDEXES = text("""
 """)
 
 
-
 def _documented_triggers() -> set[str]:
     """The triggers the 0001 revision's docstring promises (``tasks_...`` names)."""
     revision = importlib.import_module("sqlalchemy_pgtask.migrations.versions.pgtask_0001_initial")

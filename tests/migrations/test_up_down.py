@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -95,16 +97,21 @@ def test_downgrade_to_base_removes_every_object_and_upgrade_rebuilds_the_same_sc
 def test_a_second_upgrade_changes_nothing(
     pgtask_empty_database_url: str, empty_engine: Engine, caplog: pytest.LogCaptureFixture
 ) -> None:
-    upgrade(pgtask_empty_database_url)
-    with empty_engine.begin() as connection:
-        connection.execute(text("INSERT INTO pgtask.queues (name) VALUES ('kept')"))
-        tasks_oid = connection.execute(text("SELECT 'pgtask.tasks'::regclass::oid")).scalar()
-    installed = _snapshot(empty_engine)
+    def upgrades_run() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "Running upgrade" in r.getMessage()]
 
     with caplog.at_level(logging.INFO, logger="alembic.runtime.migration"):
         upgrade(pgtask_empty_database_url)
+        assert upgrades_run()  # the log does show applied revisions
+        caplog.clear()
+        with empty_engine.begin() as connection:
+            connection.execute(text("INSERT INTO pgtask.queues (name) VALUES ('kept')"))
+            tasks_oid = connection.execute(text("SELECT 'pgtask.tasks'::regclass::oid")).scalar()
+        installed = _snapshot(empty_engine)
 
-    assert not [r for r in caplog.records if r.getMessage().startswith("Running upgrade")]
+        upgrade(pgtask_empty_database_url)
+
+    assert upgrades_run() == []
     with empty_engine.connect() as connection:
         assert connection.execute(text("SELECT 'pgtask.tasks'::regclass::oid")).scalar() == (
             tasks_oid
@@ -130,44 +137,82 @@ def _wait_for_advisory_lock_waiters(engine: Engine, count: int, timeout: float =
             if waiting >= count:
                 return
             if time.monotonic() > deadline:
-                raise AssertionError(f"{waiting} of {count} upgrades wait for the lock")
-            time.sleep(0.01)  # polling interval, not synchronisation: the condition decides
+                raise AssertionError(f"only {waiting} of {count} upgrades wait for the lock")
+            time.sleep(0.01)  # polling interval only: the observed condition decides
 
 
-def test_concurrent_upgrades_of_an_empty_database_both_succeed_with_one_schema(
+def _assert_one_schema_at_head(engine: Engine) -> None:
+    with engine.connect() as connection:
+        versions = connection.execute(text("SELECT version_num FROM pgtask.alembic_version"))
+        assert versions.scalars().all() == [head_revision()]
+        triggers = connection.execute(text("""
+            SELECT count(*) FROM pg_trigger
+            WHERE tgrelid = 'pgtask.tasks'::regclass AND tgname = 'tasks_notify_inserted'
+        """))
+        assert triggers.scalar_one() == 1
+
+
+_UPGRADE_SCRIPT = (
+    "import sys; from sqlalchemy_pgtask.migrations import upgrade; upgrade(sys.argv[1])"
+)
+
+
+def test_concurrent_upgrades_from_two_processes_both_succeed_with_one_schema(
     pgtask_empty_database_url: str, empty_engine: Engine
 ) -> None:
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            upgrade(pgtask_empty_database_url)
-        except BaseException as exc:  # reported by the assertion below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run) for _ in range(2)]
-    # Hold the migrator's lock so both upgrades are certain to be in flight at once.
+    # Hold the migrator's advisory lock so both upgrades are certain to overlap: each must
+    # wait for it, then run one after the other.
     with empty_engine.connect() as holder:
         holder.execute(text("SELECT pg_advisory_lock(:key)"), {"key": ADVISORY_LOCK_KEY})
-        for thread in threads:
-            thread.start()
+        processes = [
+            subprocess.Popen(
+                [sys.executable, "-c", _UPGRADE_SCRIPT, pgtask_empty_database_url],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for _ in range(2)
+        ]
         try:
             _wait_for_advisory_lock_waiters(empty_engine, 2)
         finally:
             holder.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": ADVISORY_LOCK_KEY})
             holder.commit()
-            for thread in threads:
-                thread.join(timeout=120)
+            outputs = [process.communicate(timeout=120)[0] for process in processes]
 
-    assert not any(thread.is_alive() for thread in threads)
+    assert [process.returncode for process in processes] == [0, 0], outputs
+    _assert_one_schema_at_head(empty_engine)
+
+
+def test_concurrent_upgrades_from_two_threads_both_succeed_with_one_schema(
+    pgtask_empty_database_url: str, empty_engine: Engine
+) -> None:
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def run() -> None:
+        start.wait()
+        try:
+            upgrade(pgtask_empty_database_url)
+        except BaseException as exc:  # reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, daemon=True) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 20  # a migration of an empty database takes ~1 s
+    for thread in threads:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    hung = [thread for thread in threads if thread.is_alive()]
+    if hung:  # free the stuck threads before failing, so nothing outlives the test
+        with empty_engine.connect() as connection:
+            connection.execute(text("""
+                SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                WHERE datname = current_database() AND pid <> pg_backend_pid()
+            """))
+        for thread in hung:
+            thread.join(timeout=10)
+
+    assert not hung, "the upgrades deadlocked"
     assert errors == []
-    with empty_engine.connect() as connection:
-        versions = connection.execute(text("SELECT version_num FROM pgtask.alembic_version"))
-        assert versions.scalars().all() == [head_revision()]
-        assert connection.execute(text("""
-            SELECT count(*) FROM pg_namespace WHERE nspname = 'pgtask'
-        """)).scalar_one() == 1
-        assert connection.execute(text("""
-            SELECT count(*) FROM pg_trigger
-            WHERE tgrelid = 'pgtask.tasks'::regclass AND tgname = 'tasks_notify_inserted'
-        """)).scalar_one() == 1
+    _assert_one_schema_at_head(empty_engine)
