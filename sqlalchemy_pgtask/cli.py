@@ -174,16 +174,16 @@ def _task_show(args: argparse.Namespace) -> int:
     task_id = _task_id(args.task_id)
 
     def show(connection: Connection) -> int:
-        task = connection.execute(select(Task).where(Task.id == task_id)).mappings().first()
-        if task is None:
+        tasks, attempts = Task.__table__, Attempt.__table__
+        row = connection.execute(select(tasks).where(tasks.c.id == task_id)).mappings().first()
+        if row is None:
             raise TaskNotFound(f"no task with id {task_id}")
-        row = task["Task"]
-        for column in Task.__table__.columns:
-            print(f"{column.name:>20}: {getattr(row, column.key)}")
-        attempts = connection.execute(
-            select(Attempt).where(Attempt.task_id == task_id).order_by(Attempt.attempt)
-        ).scalars()
-        for attempt in attempts:
+        for column in tasks.columns:
+            print(f"{column.name:>20}: {row[column]}")
+        history = connection.execute(
+            select(attempts).where(attempts.c.task_id == task_id).order_by(attempts.c.attempt)
+        )
+        for attempt in history:
             error = f"  {attempt.error}" if attempt.error else ""
             print(
                 f"  attempt {attempt.attempt}: {attempt.state} by worker {attempt.worker_id} "
@@ -200,8 +200,7 @@ def _task_cancel(args: argparse.Namespace) -> int:
     def run(connection: Connection) -> int:
         state = cancel(connection, args.task_id)
         if state is None:
-            print(f"task {args.task_id} does not exist or has already finished", file=sys.stderr)
-            return EXIT_FAILURE
+            raise TaskNotFound(f"task {args.task_id} does not exist or has already finished")
         if state == "running":
             print(f"task {args.task_id}: cancellation requested; its worker will stop it")
         else:

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from sqlalchemy_pgtask.validation import check_seconds
+
 __all__ = ["Fail", "LeaseLost", "Retry", "TaskCancelled"]
 
 
@@ -25,7 +27,8 @@ class Retry(Exception):
 
     def __init__(self, message: str = "retry requested", *, delay: float | None = None) -> None:
         super().__init__(message)
-        self.delay = delay
+        # Checked here, where the mistake is, rather than when the worker writes the outcome.
+        self.delay = None if delay is None else check_seconds("delay", delay)
 
 
 class LeaseLost(BaseException):

@@ -72,7 +72,9 @@ class TaskDefinition(Generic[PayloadT, ResultT]):
     is_async: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "is_async", inspect.iscoroutinefunction(self.handler))
+        call = getattr(self.handler, "__call__", None)  # noqa: B004 - an async __call__ counts
+        is_async = inspect.iscoroutinefunction(self.handler) or inspect.iscoroutinefunction(call)
+        object.__setattr__(self, "is_async", is_async)
 
     def __call__(self, ctx: TaskContext, payload: PayloadT) -> Any:
         return self.handler(ctx, payload)

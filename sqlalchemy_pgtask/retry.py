@@ -40,20 +40,27 @@ class RetryPolicy:
     jitter: bool = True
 
     def __post_init__(self) -> None:
+        # Store floats: the policy is bound as float arrays, and mixed int/float lists fail.
+        base_name = "retry.delay" if self.kind == "fixed" else "retry.base"
+        for name, field_name in ((base_name, "base_seconds"), ("retry.max", "max_seconds")):
+            value = getattr(self, field_name)
+            if value is not None:
+                object.__setattr__(self, field_name, check_seconds(name, value))
+        if self.factor is not None:
+            if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)):
+                raise InvalidOptionError("retry.factor", "must be a number")
+            object.__setattr__(self, "factor", float(self.factor))
         if self.kind == "never":
             if (self.base_seconds, self.factor, self.max_seconds) != (None, None, None):
                 raise InvalidOptionError("retry", "a 'never' policy takes no delays")
         elif self.kind == "fixed":
             if self.base_seconds is None or self.factor is not None or self.max_seconds is not None:
                 raise InvalidOptionError("retry", "a 'fixed' policy takes only base_seconds")
-            check_seconds("retry.delay", self.base_seconds)
         elif self.kind == "exponential":
             if self.base_seconds is None or self.factor is None or self.max_seconds is None:
                 raise InvalidOptionError(
                     "retry", "an 'exponential' policy needs base_seconds, factor and max_seconds"
                 )
-            check_seconds("retry.base", self.base_seconds)
-            check_seconds("retry.max", self.max_seconds)
             if not (math.isfinite(self.factor) and self.factor >= 1):
                 raise InvalidOptionError("retry.factor", f"must be >= 1, got {self.factor!r}")
             if self.max_seconds < self.base_seconds:
@@ -69,7 +76,7 @@ class RetryPolicy:
     @classmethod
     def fixed(cls, delay: float, *, jitter: bool = True) -> RetryPolicy:
         """Wait ``delay`` seconds (with jitter: up to ``delay``) before each retry."""
-        return cls("fixed", base_seconds=float(delay), jitter=jitter)
+        return cls("fixed", base_seconds=delay, jitter=jitter)
 
     @classmethod
     def exponential(
@@ -79,10 +86,7 @@ class RetryPolicy:
 
         With jitter (the default) the wait is uniform in ``[0, that ceiling]``.
         """
-        return cls(
-            "exponential", base_seconds=float(base), factor=float(factor),
-            max_seconds=float(max), jitter=jitter,
-        )
+        return cls("exponential", base_seconds=base, factor=factor, max_seconds=max, jitter=jitter)
 
     def ceiling(self, failed_attempts: int) -> float | None:
         """The longest wait after ``failed_attempts`` failures (>= 1); None means no retry."""
@@ -95,6 +99,8 @@ class RetryPolicy:
             return self.base_seconds
         assert self.factor is not None
         assert self.max_seconds is not None
+        if self.base_seconds == 0 or self.factor == 1:
+            return min(self.base_seconds, self.max_seconds)
         try:
             ceiling = self.base_seconds * self.factor ** (failed_attempts - 1)
         except OverflowError:  # a huge failure count saturates at the cap

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import os
 import queue
@@ -136,6 +137,13 @@ class _Backoff:
         ceiling = min(self._cap, self._base * 2**self._failures)
         self._failures = min(self._failures + 1, 32)
         return random.uniform(ceiling / 2, ceiling)  # noqa: S311 - spread, not secrecy
+
+
+def _brief(exc: BaseException) -> str:
+    """One line about a failure, without the statement and its parameters (task data)."""
+    cause = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
+    lines = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {lines[0] if lines else ''}"
 
 
 def _is_transient(exc: BaseException) -> bool:
@@ -292,6 +300,8 @@ class Worker:
                 make_url(database).set(drivername="postgresql+psycopg"),
                 pool_size=6,
                 max_overflow=4,
+                # Errors are logged; statement parameters carry task payloads and results.
+                hide_parameters=True,
             )
             self._owns_engine = True
         # Every worker statement is a single statement: autocommit spares BEGIN/COMMIT trips.
@@ -445,7 +455,9 @@ class Worker:
                 if not _is_transient(exc):
                     logger.exception("listener failed")
                 delay = backoff.next()
-                logger.warning("listener disconnected (%s); reconnecting in %.2fs", exc, delay)
+                logger.warning(
+                    "listener disconnected (%s); reconnecting in %.2fs", _brief(exc), delay
+                )
                 await asyncio.sleep(delay)
 
     # -- claim ---------------------------------------------------------------------------
@@ -482,7 +494,7 @@ class Worker:
                 if not _is_transient(exc):
                     logger.exception("claim failed")
                 timeout = backoff.next()
-                logger.warning("claim failed (%s); retrying in %.2fs", exc, timeout)
+                logger.warning("claim failed (%s); retrying in %.2fs", _brief(exc), timeout)
                 await _first(self._stopping.wait(), timeout=timeout)
                 continue
             if claimed == free:
@@ -553,6 +565,8 @@ class Worker:
                 value = await definition.handler(ctx, running.payload)
             else:
                 value = await self._threads.run(lambda: definition.handler(ctx, running.payload))
+                if inspect.isawaitable(value):  # a plain function that returned a coroutine
+                    value = await value
         except asyncio.CancelledError:
             if ctx.stop_reason is None:
                 raise  # the worker itself is being torn down
@@ -648,7 +662,9 @@ class Worker:
                     await self._write_one_by_one(pending)
                     return
                 delay = backoff.next()
-                logger.warning("writing outcomes failed (%s); retrying in %.2fs", exc, delay)
+                logger.warning(
+                    "writing outcomes failed (%s); retrying in %.2fs", _brief(exc), delay
+                )
                 await asyncio.sleep(delay)
                 # The commit may or may not have happened: re-read before writing again.
                 pending = await self._still_owned(pending)
@@ -683,7 +699,7 @@ class Worker:
         elif kind == "fail":
             statement = statements.FAIL
             params["errors"] = [o.document for o in group]
-            params["delays"] = [o.delay for o in group]
+            params["delays"] = [None if o.delay is None else float(o.delay) for o in group]
         else:
             statement = statements.RELEASE
         rows = (await conn.execute(statement, params)).all()
@@ -697,7 +713,7 @@ class Worker:
             except Exception as exc:
                 if _is_transient(exc):
                     logger.warning(
-                        "task %s: outcome not written (%s)", outcome.running.task_id, exc
+                        "task %s: outcome not written (%s)", outcome.running.task_id, _brief(exc)
                     )
                 else:
                     logger.exception("task %s: outcome rejected", outcome.running.task_id)
@@ -758,7 +774,7 @@ class Worker:
                     logger.exception("lease renewal failed")
                 self._stop_overdue(sent)
                 wait = backoff.next()
-                logger.warning("lease renewal failed (%s); retrying in %.2fs", exc, wait)
+                logger.warning("lease renewal failed (%s); retrying in %.2fs", _brief(exc), wait)
                 continue
             backoff.reset()
             wait = interval

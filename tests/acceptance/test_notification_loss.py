@@ -1,0 +1,69 @@
+"""Notification loss (failure model, "Notification failures"): NOTIFY is only a hint. A task
+whose notification never arrives is found by the worker's reconciliation poll, and a listener
+whose connection dies reconnects and claims at once."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import psycopg
+import pytest
+
+from tests.acceptance.workerproc import (
+    LISTENER,
+    POLL_SECONDS,
+    Database,
+    WorkerLauncher,
+    libpq_url,
+    listener_pids,
+    terminate_backends,
+    wait_until,
+)
+
+
+def test_task_enqueued_without_notify_is_claimed_by_the_poll(
+    db: Database, workers: WorkerLauncher
+) -> None:
+    if not db.scalar("SELECT current_setting('is_superuser') = 'on'"):
+        pytest.skip("session_replication_role = replica needs a superuser")
+    worker = workers.start(poll=POLL_SECONDS)
+    # An observer proves the enqueue below really sends no notification.
+    with psycopg.connect(libpq_url(db.url), autocommit=True) as observer:
+        observer.execute("LISTEN pgtask_ready")
+        # Warm-up with a normal enqueue: the observer does see that one.
+        [warm] = db.enqueue("job", {"sleep": 0})
+        assert [n.payload for n in observer.notifies(timeout=5, stop_after=1)] == ["default"]
+        wait_until(lambda: db.state(warm) == "succeeded", 10, describe=worker.describe)
+
+        enqueued = time.monotonic()
+        silent = db.enqueue("job", {"sleep": 0}, count=3, replica=True)
+        wait_until(
+            lambda: db.all_in(silent, "succeeded"), 4 * POLL_SECONDS + 2,
+            message="the poll to find tasks enqueued without a notification",
+            describe=worker.describe,
+        )
+        took = time.monotonic() - enqueued
+        # The claims and completions send nothing on pgtask_ready; nor did the enqueue.
+        assert list(observer.notifies(timeout=0.2)) == []
+    assert took < 4 * POLL_SECONDS + 2
+
+
+def test_worker_claims_after_its_listener_connection_is_killed_repeatedly(
+    db: Database, workers: WorkerLauncher
+) -> None:
+    # A long poll interval: only the listener's reconnect or a notification can wake the worker.
+    worker = workers.start(poll=60)
+    for round_ in range(3):
+        [before] = wait_until(lambda: listener_pids(db), 10, message="a LISTEN backend")
+        assert terminate_backends(db, LISTENER) == 1
+        # Enqueued while the listener may still be reconnecting: its notification can be lost.
+        task_ids = db.enqueue("job", {"sleep": 0}, count=2)
+        wait_until(
+            functools.partial(db.all_in, task_ids, "succeeded"), 10,
+            message=f"round {round_}: tasks enqueued while the listener was down",
+            describe=worker.describe,
+        )
+        after = wait_until(lambda: listener_pids(db), 10, message="a new LISTEN backend")
+        assert before not in after
+    assert worker.alive()
