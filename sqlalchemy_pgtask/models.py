@@ -83,6 +83,12 @@ metadata = MetaData(
 )
 
 _NOW: Final = text("statement_timestamp()")
+_FAST_AUTOVACUUM: Final = {
+    "autovacuum_vacuum_scale_factor": "0.02",
+    "autovacuum_vacuum_threshold": "1000",
+    "autovacuum_analyze_scale_factor": "0.02",
+    "autovacuum_analyze_threshold": "1000",
+}
 _TS = TIMESTAMP(timezone=True)
 
 
@@ -218,15 +224,8 @@ class Task(Base):
             "parent_id",
             postgresql_where=text("parent_id IS NOT NULL"),
         ),
-        {
-            "postgresql_with": {
-                # Tasks churn fast; vacuum and analyze long before the 20% defaults.
-                "autovacuum_vacuum_scale_factor": "0.02",
-                "autovacuum_vacuum_threshold": "1000",
-                "autovacuum_analyze_scale_factor": "0.02",
-                "autovacuum_analyze_threshold": "1000",
-            },
-        },
+        # Tasks churn fast; vacuum and analyze long before the 20% defaults.
+        {"postgresql_with": _FAST_AUTOVACUUM},
     )
 
     id: Mapped[uuid.UUID] = mapped_column(
@@ -279,6 +278,9 @@ class Attempt(Base):
         CheckConstraint(
             f"error IS NULL OR {_size_check('error', ERROR_MAX_BYTES)}", name="error_size"
         ),
+        # Grows by one row per claim and is updated once per outcome: keep its statistics
+        # fresh, or plans made while it was small keep scanning it sequentially.
+        {"postgresql_with": _FAST_AUTOVACUUM},
     )
 
     task_id: Mapped[uuid.UUID] = mapped_column(

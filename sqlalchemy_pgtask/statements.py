@@ -212,8 +212,9 @@ ENQUEUE_BATCH_IDEMPOTENT: Final = _enqueue_batch_idempotent()
 # -- worker transitions --------------------------------------------------------------------
 #
 # Every statement below that a running attempt causes is fenced by (id, state, attempt, lease
-# token). The fence state is a bound parameter, not a literal: a literal 'running' matches the
-# partial lease index, and a generic plan then nested-loops every running row against the batch.
+# token). The fence state is not a literal 'running': that matches the partial lease index, and
+# the plan then walks every running row (and every dead entry not yet vacuumed) for each row of
+# the batch. See _lease_fence.
 
 _attempts = typing.cast(Table, Attempt.__table__)
 _queues = typing.cast(Table, Queue.__table__)
@@ -236,7 +237,10 @@ def _lease_fence(request: Any) -> list[ColumnElement[bool]]:
     return [
         _tasks.c.id == any_(bindparam("ids", type_=ARRAY(UUID(as_uuid=True)))),
         _tasks.c.id == request.c.id,
-        _tasks.c.state == bindparam("running", type_=Text),
+        # A scalar subquery, not a value: even a custom plan cannot then prove the partial
+        # lease index's predicate, and probes the primary key instead of scanning every
+        # running (and not yet vacuumed) row of the lease index.
+        _tasks.c.state == select(bindparam("running", type_=Text)).scalar_subquery(),
         _tasks.c.attempt == request.c.attempt,
         _tasks.c.lease_token == request.c.token,
     ]
@@ -397,7 +401,12 @@ def _finish(request: Any, state: ColumnElement[Any], values: dict[str, Any]) -> 
     )
     recorded = (
         update(_attempts)
-        .where(_attempts.c.task_id == done.c.id, _attempts.c.attempt == done.c.attempt)
+        .where(
+            # Redundant with the join, but lets even a generic plan probe the primary key.
+            _attempts.c.task_id == any_(bindparam("ids", type_=ARRAY(UUID(as_uuid=True)))),
+            _attempts.c.task_id == done.c.id,
+            _attempts.c.attempt == done.c.attempt,
+        )
         .values(state=attempt_state, finished_at=_NOW, error=done.c.error)
         .cte("recorded")
     )
@@ -479,7 +488,11 @@ def _release() -> Select[Any]:
     )
     recorded = (
         update(_attempts)
-        .where(_attempts.c.task_id == done.c.id, _attempts.c.attempt == done.c.attempt)
+        .where(
+            _attempts.c.task_id == any_(bindparam("ids", type_=ARRAY(UUID(as_uuid=True)))),
+            _attempts.c.task_id == done.c.id,
+            _attempts.c.attempt == done.c.attempt,
+        )
         .values(
             state=case((done.c.state == "cancelled", done.c.state), else_="released"),
             finished_at=_NOW,

@@ -35,12 +35,12 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeVar
 
 import psycopg
-from sqlalchemy import make_url, text
+from sqlalchemy import func, make_url, select, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
@@ -215,6 +215,46 @@ class _HandlerThreads:
             self._jobs.put(None)
 
 
+#: Planner settings for the connections that run the hot statements. Every one of them is
+#: meant to probe an index; a plan cached while a table was nearly empty (a new install, or
+#: right after a big cleanup) would otherwise keep scanning it sequentially as it grows.
+_PLANNER_SETTINGS: Final = (("enable_seqscan", "off"), ("plan_cache_mode", "force_generic_plan"))
+
+
+class _HeldConnection:
+    """One autocommit connection kept across statements, replaced after any error."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self._connection: AsyncConnection | None = None
+
+    @contextlib.asynccontextmanager
+    async def use(self) -> AsyncIterator[AsyncConnection]:
+        if self._connection is None:
+            connection = await self._engine.connect()
+            for name, value in _PLANNER_SETTINGS:
+                await connection.execute(
+                    select(func.set_config(name, value, False))  # session-wide
+                )
+            self._connection = connection
+        try:
+            yield self._connection
+        except BaseException:
+            # Its state is unknown (broken, or mid-statement when cancelled): start afresh.
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                # The connection goes back to a pool the application may share.
+                for name, _ in _PLANNER_SETTINGS:
+                    await connection.execute(text(f"RESET {name}"))
+            with contextlib.suppress(Exception):
+                await connection.close()
+
+
 @dataclass(eq=False)
 class _Running:
     """One claimed attempt, from claim until its outcome is written."""
@@ -312,6 +352,12 @@ class Worker:
         self._claim_params = {q: self._claim_parameters(q) for q in self.queues}
         self._lease = float(self.options.lease_duration)
         self._active: dict[uuid.UUID, _Running] = {}
+        #: Claimed attempts whose handler has not finished (the slots in use).
+        self._unsettled = 0
+        # The hot path keeps its two connections: a pool checkout per statement costs more
+        # than the statement's own round trip. Claims and writes overlap on them.
+        self._claim_connection = _HeldConnection(self._auto)
+        self._write_connection = _HeldConnection(self._auto)
         self._outcomes: asyncio.Queue[_Outcome] | None = None
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -351,8 +397,13 @@ class Worker:
 
     @property
     def active_count(self) -> int:
-        """Attempts claimed and not yet recorded."""
+        """Attempts claimed and not yet recorded (at most twice the concurrency)."""
         return len(self._active)
+
+    @property
+    def running_count(self) -> int:
+        """Handlers running now (at most the concurrency)."""
+        return self._unsettled
 
     # -- main ----------------------------------------------------------------------------
 
@@ -384,6 +435,8 @@ class Worker:
             for task in loops:
                 task.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
+            await self._claim_connection.close()
+            await self._write_connection.close()
             await self._unregister()
             self._threads.close()
             if self._owns_engine:
@@ -482,13 +535,21 @@ class Worker:
         concurrency = self.options.concurrency
         while not self._stopping.is_set():
             self._wake.clear()
-            free = concurrency - len(self._active)
+            # Running handlers never exceed the concurrency. Finished ones whose outcome still
+            # waits for the writer do not hold a slot, so claims overlap writes; but at most
+            # `concurrency` of them may wait, which is the back-pressure on a slow writer.
+            free = min(
+                concurrency - self._unsettled, 2 * concurrency - len(self._active)
+            )
             if free <= 0:
                 await self._wake.wait()
                 continue
             try:
                 claimed = await self._claim(free)
-                timeout = None if claimed == free else await self._idle_timeout()
+                timeout = None
+                if claimed < free:
+                    await asyncio.sleep(0)  # let the new handlers start before asking
+                    timeout = await self._idle_timeout()
                 backoff.reset()
             except Exception as exc:
                 if not _is_transient(exc):
@@ -503,7 +564,7 @@ class Worker:
 
     async def _claim(self, free: int) -> int:
         claimed = 0
-        async with self._auto.connect() as conn:
+        async with self._claim_connection.use() as conn:
             for queue_name in self.queues:
                 limit = free - claimed
                 if limit <= 0:
@@ -549,6 +610,7 @@ class Worker:
             lease_sent_at=sent,
         )
         self._active[row.id] = running
+        self._unsettled += 1
         if row.cancel_requested_at is not None:
             ctx.request_stop("cancelled")
         running.handle = asyncio.create_task(self._execute(running), name=f"pgtask-{row.id}")
@@ -613,6 +675,8 @@ class Worker:
 
     def _settle(self, running: _Running, outcome: _Outcome | None) -> None:
         running.settled = True
+        self._unsettled -= 1
+        self._wake.set()  # a handler slot is free
         if outcome is None:
             self._forget(running)
             return
@@ -673,7 +737,7 @@ class Worker:
         by_kind: dict[_OutcomeKind, list[_Outcome]] = {}
         for outcome in batch:
             by_kind.setdefault(outcome.kind, []).append(outcome)
-        async with self._auto.connect() as conn:
+        async with self._write_connection.use() as conn:
             for kind, group in by_kind.items():
                 written = await self._execute_outcomes(conn, kind, group)
                 for outcome in group:

@@ -584,7 +584,9 @@ async def test_claims_never_exceed_the_concurrency(
 
         await wait_until(all_done, 20, "every task succeeded")
     assert peak == concurrency
-    assert active_peak <= concurrency
+    # Finished attempts may wait for the outcome writer without holding a handler slot, but
+    # no more of them than the concurrency: claimed-and-unrecorded stays within twice it.
+    assert active_peak <= 2 * concurrency
     results = [(await task_row(pgtask_async_engine, i))["result"] for i in ids]
     assert results == list(range(10))
 

@@ -32,6 +32,12 @@ branch_labels = ("pgtask",)
 depends_on = None
 
 _TS = postgresql.TIMESTAMP(timezone=True)
+_FAST_AUTOVACUUM = {
+    "autovacuum_vacuum_scale_factor": "0.02",
+    "autovacuum_vacuum_threshold": "1000",
+    "autovacuum_analyze_scale_factor": "0.02",
+    "autovacuum_analyze_threshold": "1000",
+}
 _NOW = sa.text("statement_timestamp()")
 _RETRY_SHAPE = (
     "(retry_kind IS NULL AND retry_base_seconds IS NULL AND retry_factor IS NULL AND retry_max_seconds IS NULL)"
@@ -272,12 +278,7 @@ def upgrade() -> None:
         sa.ForeignKeyConstraint(["parent_id"], ["pgtask.tasks.id"], name=op.f("fk_tasks_parent_id_tasks"), ondelete="SET NULL"),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_tasks")),
         schema="pgtask",
-        postgresql_with={
-            "autovacuum_vacuum_scale_factor": "0.02",
-            "autovacuum_vacuum_threshold": "1000",
-            "autovacuum_analyze_scale_factor": "0.02",
-            "autovacuum_analyze_threshold": "1000",
-        },
+        postgresql_with=_FAST_AUTOVACUUM,
     )
     op.create_index("ix_tasks_claim", "tasks", ["queue", sa.literal_column("priority DESC"), "run_at", "id"], schema="pgtask", postgresql_where=sa.text("state = 'pending'"))
     op.create_index("ix_tasks_pending_run_at", "tasks", ["queue", "run_at"], schema="pgtask", postgresql_where=sa.text("state = 'pending'"))
@@ -300,6 +301,7 @@ def upgrade() -> None:
         sa.ForeignKeyConstraint(["task_id"], ["pgtask.tasks.id"], name=op.f("fk_attempts_task_id_tasks"), ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("task_id", "attempt", name=op.f("pk_attempts")),
         schema="pgtask",
+        postgresql_with=_FAST_AUTOVACUUM,
     )
     op.create_table(
         "idempotency_keys",
