@@ -7,6 +7,7 @@ here first gives a typed error and leaves the caller's transaction usable.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -51,17 +52,24 @@ INT2_MAX: Final = 2**15 - 1
 _NAME_RE: Final = re.compile(NAME_PATTERN)
 
 
+@functools.lru_cache(maxsize=4096)
+def _name_problem(value: str, max_bytes: int) -> str | None:
+    """Why ``value`` is not a valid name, or None. Cached: a batch repeats a few names."""
+    if not value:
+        return "must not be empty"
+    if not _NAME_RE.match(value):
+        return f"{value!r} may only contain ASCII letters, digits, '.', '_', ':' and '-'"
+    if len(value) > max_bytes:  # ASCII only at this point, so characters are bytes
+        return f"is {len(value)} bytes long; the limit is {max_bytes}"
+    return None
+
+
 def _check_name(field: str, value: object, max_bytes: int) -> str:
     if not isinstance(value, str):
         raise InvalidNameError(field, f"must be a str, got {type(value).__name__}")
-    if not value:
-        raise InvalidNameError(field, "must not be empty")
-    if not _NAME_RE.match(value):
-        raise InvalidNameError(
-            field, f"{value!r} may only contain ASCII letters, digits, '.', '_', ':' and '-'"
-        )
-    if len(value) > max_bytes:  # ASCII only at this point, so characters are bytes
-        raise InvalidNameError(field, f"is {len(value)} bytes long; the limit is {max_bytes}")
+    problem = _name_problem(value, max_bytes)
+    if problem is not None:
+        raise InvalidNameError(field, problem)
     return value
 
 

@@ -1,0 +1,34 @@
+"""Task ids are RFC 9562 version 7 UUIDs: unique, and ordered by creation time."""
+
+from __future__ import annotations
+
+import time
+
+from sqlalchemy_pgtask.enqueue import _uuid7s
+
+
+def test_ids_are_version_7_with_the_rfc_variant() -> None:
+    for task_id in _uuid7s(100):
+        assert task_id.version == 7
+        assert task_id.variant == "specified in RFC 4122"
+
+
+def test_ids_are_unique_within_and_across_batches() -> None:
+    ids = _uuid7s(10_000) + _uuid7s(10_000)
+    assert len(set(ids)) == 20_000
+
+
+def test_later_batches_sort_after_earlier_ones() -> None:
+    first = _uuid7s(5)
+    deadline = time.monotonic() + 1.0
+    while time.time_ns() // 1_000_000 == first[0].int >> 80 and time.monotonic() < deadline:
+        pass  # the embedded timestamp has millisecond resolution: wait for the next one
+    second = _uuid7s(5)
+    assert max(first) < min(second)
+
+
+def test_the_timestamp_is_the_current_unix_millisecond() -> None:
+    before = time.time_ns() // 1_000_000
+    stamp = _uuid7s(1)[0].int >> 80
+    after = time.time_ns() // 1_000_000
+    assert before <= stamp <= after
