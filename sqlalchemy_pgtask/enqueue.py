@@ -174,7 +174,7 @@ class _Plan(NamedTuple):
     returns_rows: bool
 
 
-def _plan_one(row: _Row) -> _Plan:
+def _plan_row(row: _Row) -> _Plan:
     if row.key is None:
         params = {
             "id": row.id, "queue": row.queue, "name": row.name, "version": row.version,
@@ -233,7 +233,7 @@ def _results(plan: _Plan, returned: Sequence[Any] | None) -> list[EnqueueResult]
     return results
 
 
-def _request(
+def _plan_one(
     name: str,
     payload: Any,
     *,
@@ -245,12 +245,14 @@ def _request(
     max_attempts: int,
     idempotency_key: str | None,
     headers: Mapping[str, Any] | None,
-) -> EnqueueRequest:
-    return EnqueueRequest(
+) -> _Plan:
+    """Validate one enqueue's arguments and plan its statement."""
+    request = EnqueueRequest(
         name=name, payload=payload, queue=queue, version=version, run_at=run_at, delay=delay,
         priority=priority, max_attempts=max_attempts, idempotency_key=idempotency_key,
         headers=headers,
     )
+    return _plan_row(_validate(request, _uuid7s(1)[0]))
 
 
 def _validate_many(requests: Iterable[EnqueueRequest]) -> list[_Row]:
@@ -339,15 +341,12 @@ def enqueue(
     :raises ValidationError: on bad input, before any SQL runs.
     :raises QueueFull: the queue is at capacity (SQLSTATE PT001); the transaction is aborted.
     """
-    row = _validate(
-        _request(
-            name, payload, queue=queue, version=version, run_at=run_at, delay=delay,
-            priority=priority, max_attempts=max_attempts, idempotency_key=idempotency_key,
-            headers=headers,
-        ),
-        _uuid7s(1)[0],
+    plan = _plan_one(
+        name, payload, queue=queue, version=version, run_at=run_at, delay=delay,
+        priority=priority, max_attempts=max_attempts, idempotency_key=idempotency_key,
+        headers=headers,
     )
-    return _execute(bind, _plan_one(row))[0]
+    return _execute(bind, plan)[0]
 
 
 async def enqueue_async(
@@ -365,15 +364,12 @@ async def enqueue_async(
     headers: Mapping[str, Any] | None = None,
 ) -> EnqueueResult:
     """`enqueue` for an `AsyncSession` or an `AsyncConnection`; the same guarantees."""
-    row = _validate(
-        _request(
-            name, payload, queue=queue, version=version, run_at=run_at, delay=delay,
-            priority=priority, max_attempts=max_attempts, idempotency_key=idempotency_key,
-            headers=headers,
-        ),
-        _uuid7s(1)[0],
+    plan = _plan_one(
+        name, payload, queue=queue, version=version, run_at=run_at, delay=delay,
+        priority=priority, max_attempts=max_attempts, idempotency_key=idempotency_key,
+        headers=headers,
     )
-    return (await _execute_async(bind, _plan_one(row)))[0]
+    return (await _execute_async(bind, plan))[0]
 
 
 def enqueue_many(bind: SyncBind, requests: Iterable[EnqueueRequest]) -> list[EnqueueResult]:

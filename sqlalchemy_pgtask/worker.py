@@ -302,6 +302,20 @@ def _policy(row: Any, fallback: RetryPolicy) -> RetryPolicy:
     )
 
 
+def _identity_arrays(definitions: Sequence[TaskDefinition[Any, Any]]) -> dict[str, list[Any]]:
+    """Handler identities and their retry policies as the parallel arrays statements take."""
+    return {
+        "queues": [d.queue for d in definitions],
+        "names": [d.name for d in definitions],
+        "versions": [d.version for d in definitions],
+        "retry_kinds": [d.retry.kind for d in definitions],
+        "retry_bases": [d.retry.base_seconds for d in definitions],
+        "retry_factors": [d.retry.factor for d in definitions],
+        "retry_maxes": [d.retry.max_seconds for d in definitions],
+        "retry_jitters": [d.retry.jitter for d in definitions],
+    }
+
+
 def _listen_conninfo(url: str) -> str:
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
@@ -516,18 +530,13 @@ class Worker:
     # -- claim ---------------------------------------------------------------------------
 
     def _claim_parameters(self, queue_name: str) -> dict[str, Any]:
-        definitions = self.registry.for_queue(queue_name)
+        identities = _identity_arrays(self.registry.for_queue(queue_name))
+        del identities["queues"]  # a claim serves one queue: "claim_queue"
         return {
             "claim_queue": queue_name,
             "worker_id": self.id,
             "lease_seconds": float(self.options.lease_duration),
-            "names": [d.name for d in definitions],
-            "versions": [d.version for d in definitions],
-            "retry_kinds": [d.retry.kind for d in definitions],
-            "retry_bases": [d.retry.base_seconds for d in definitions],
-            "retry_factors": [d.retry.factor for d in definitions],
-            "retry_maxes": [d.retry.max_seconds for d in definitions],
-            "retry_jitters": [d.retry.jitter for d in definitions],
+            **identities,
         }
 
     async def _claim_loop(self) -> None:
@@ -903,23 +912,10 @@ class Worker:
 
     # -- registration --------------------------------------------------------------------
 
-    def _identity_arrays(self) -> dict[str, list[Any]]:
-        served = [d for d in self.registry if d.queue in self.queues]
-        return {
-            "queues": [d.queue for d in served],
-            "names": [d.name for d in served],
-            "versions": [d.version for d in served],
-            "retry_kinds": [d.retry.kind for d in served],
-            "retry_bases": [d.retry.base_seconds for d in served],
-            "retry_factors": [d.retry.factor for d in served],
-            "retry_maxes": [d.retry.max_seconds for d in served],
-            "retry_jitters": [d.retry.jitter for d in served],
-        }
-
     async def _register(self) -> None:
         from sqlalchemy_pgtask import __version__
 
-        identities = self._identity_arrays()
+        identities = _identity_arrays([d for d in self.registry if d.queue in self.queues])
         async with self._engine.begin() as conn:
             await conn.execute(
                 statements.REGISTER_WORKER,
