@@ -12,7 +12,7 @@ import asyncio
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -33,7 +33,6 @@ from sqlalchemy_pgtask import (
     cancel,
     cancel_async,
     enqueue,
-    enqueue_async,
     get_task,
     get_task_async,
     wait_for_result,
@@ -41,36 +40,10 @@ from sqlalchemy_pgtask import (
 )
 from sqlalchemy_pgtask.testing import running_worker
 
+from .support import add, task_row, wait_for_state, wait_until
+
 LEASE = 1.5
 OPTIONS = WorkerOptions(lease_duration=LEASE, shutdown_grace=2.0)
-TERMINAL = ("succeeded", "failed", "cancelled")
-
-
-async def wait_until(
-    condition: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, what: str = ""
-) -> None:
-    """Poll ``condition`` until it holds; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        outcome = condition()
-        if not isinstance(outcome, bool):
-            outcome = await outcome
-        if outcome:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {timeout} s: {what or condition}")
-        await asyncio.sleep(0.02)
-
-
-async def add(engine: AsyncEngine, name: str, payload: Any = None, **options: Any) -> uuid.UUID:
-    async with engine.begin() as conn:
-        return (await enqueue_async(conn, name, payload, **options)).id
-
-
-async def task_row(engine: AsyncEngine, task_id: uuid.UUID) -> dict[str, Any]:
-    async with engine.connect() as conn:
-        rows = (await conn.execute(select(Task.__table__).where(Task.id == task_id))).mappings()
-        return dict(rows.one())
 
 
 async def attempt_states(engine: AsyncEngine, task_id: uuid.UUID) -> list[str]:
@@ -84,20 +57,6 @@ async def attempt_states(engine: AsyncEngine, task_id: uuid.UUID) -> list[str]:
                 )
             ).scalars()
         )
-
-
-async def wait_for_state(
-    engine: AsyncEngine, task_id: uuid.UUID, states: tuple[str, ...] = TERMINAL
-) -> dict[str, Any]:
-    row: dict[str, Any] = {}
-
-    async def reached() -> bool:
-        nonlocal row
-        row = await task_row(engine, task_id)
-        return row["state"] in states
-
-    await wait_until(reached, 10, f"task {task_id} in {states}")
-    return row
 
 
 async def request_cancel(engine: AsyncEngine, task_id: uuid.UUID) -> str | None:

@@ -16,7 +16,6 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -39,49 +38,20 @@ from sqlalchemy_pgtask import (
     WorkerCapability,
     WorkerOptions,
     WorkerRecord,
-    enqueue_async,
     statements,
 )
 from sqlalchemy_pgtask.testing import running_worker
+
+from .support import add, task_row, wait_for_state, wait_until
 
 LEASE = 1.5
 FAST = WorkerOptions(
     lease_duration=LEASE, heartbeat_interval=0.5, worker_ttl=2.0, shutdown_grace=2.0
 )
 NO_JITTER = RetryPolicy.fixed(0.0, jitter=False)
-TERMINAL = ("succeeded", "failed", "cancelled")
 
 
 # -- helpers -------------------------------------------------------------------------------
-
-
-async def wait_until(
-    condition: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, what: str = ""
-) -> None:
-    """Poll ``condition`` until it holds; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        outcome = condition()
-        if not isinstance(outcome, bool):
-            outcome = await outcome
-        if outcome:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {timeout} s: {what or condition}")
-        await asyncio.sleep(0.02)
-
-
-async def add(
-    engine: AsyncEngine, name: str, payload: Any = None, **options: Any
-) -> uuid.UUID:
-    async with engine.begin() as conn:
-        return (await enqueue_async(conn, name, payload, **options)).id
-
-
-async def task_row(engine: AsyncEngine, task_id: uuid.UUID) -> dict[str, Any]:
-    async with engine.connect() as conn:
-        row = (await conn.execute(select(Task.__table__).where(Task.id == task_id))).mappings()
-        return dict(row.one())
 
 
 async def attempt_rows(engine: AsyncEngine, task_id: uuid.UUID) -> list[dict[str, Any]]:
@@ -99,24 +69,6 @@ async def attempt_rows(engine: AsyncEngine, task_id: uuid.UUID) -> list[dict[str
 async def db_now(engine: AsyncEngine) -> Any:
     async with engine.connect() as conn:
         return (await conn.execute(text("SELECT statement_timestamp()"))).scalar_one()
-
-
-async def wait_for_state(
-    engine: AsyncEngine,
-    task_id: uuid.UUID,
-    states: Iterable[str] = TERMINAL,
-    timeout: float = 10.0,
-) -> dict[str, Any]:
-    wanted = set(states)
-    row: dict[str, Any] = {}
-
-    async def reached() -> bool:
-        nonlocal row
-        row = await task_row(engine, task_id)
-        return row["state"] in wanted
-
-    await wait_until(reached, timeout, f"task {task_id} in {sorted(wanted)}")
-    return row
 
 
 async def wait_event(event_: asyncio.Event | threading.Event, timeout: float = 10.0) -> None:
