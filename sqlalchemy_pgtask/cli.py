@@ -17,10 +17,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from alembic.util import CommandError
-from sqlalchemy import Connection, create_engine, make_url, select, text
+from sqlalchemy import Connection, create_engine, make_url, select
 from sqlalchemy.exc import ArgumentError, OperationalError
 
-from sqlalchemy_pgtask import __version__
+from sqlalchemy_pgtask import __version__, statements
 from sqlalchemy_pgtask.errors import (
     PgTaskError,
     SchemaNotInstalled,
@@ -128,9 +128,7 @@ def _with_connection(args: argparse.Namespace, action: Callable[[Connection], in
     engine = create_engine(_database_url(args))
     try:
         with engine.connect() as connection:
-            if not connection.execute(
-                text("SELECT to_regclass('pgtask.tasks') IS NOT NULL")
-            ).scalar_one():
+            if not connection.execute(statements.SCHEMA_INSTALLED).scalar_one():
                 raise SchemaNotInstalled()
             code = action(connection)
             connection.commit()

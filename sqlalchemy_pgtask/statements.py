@@ -731,3 +731,6 @@ RETIRE_WORKER: Final = (
 LEASES: Final = select(
     _tasks.c.id, _tasks.c.state, _tasks.c.attempt, _tasks.c.lease_token
 ).where(_tasks.c.id == any_(bindparam("ids", type_=ARRAY(UUID(as_uuid=True)))))
+
+#: Whether the pgtask schema is installed in the connected database (true or false).
+SCHEMA_INSTALLED: Final = select(func.to_regclass("pgtask.tasks").is_not(None))

@@ -458,9 +458,7 @@ class Worker:
 
     async def _check_schema(self) -> None:
         async with self._auto.connect() as conn:
-            installed = (
-                await conn.execute(text("SELECT to_regclass('pgtask.tasks') IS NOT NULL"))
-            ).scalar_one()
+            installed = (await conn.execute(statements.SCHEMA_INSTALLED)).scalar_one()
         if not installed:
             raise SchemaNotInstalled()
 
