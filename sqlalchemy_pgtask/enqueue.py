@@ -201,6 +201,22 @@ def _plan_many(rows: list[_Row]) -> _Plan:
         owners.append(index)
         unique.append(row)
         ords.append(index)
+    first = rows[0]
+    shared = (first.queue, first.name, first.version, first.headers, first.priority,
+              first.max_attempts, first.run_at, first.delay)
+    if not first_of_key and all(
+        (row.queue, row.name, row.version, row.headers, row.priority, row.max_attempts,
+         row.run_at, row.delay) == shared
+        for row in rows
+    ):
+        uniform = {
+            "ids": [row.id for row in rows],
+            "payloads": [row.payload for row in rows],
+            "queue": first.queue, "name": first.name, "version": first.version,
+            "headers": first.headers, "priority": first.priority,
+            "max_attempts": first.max_attempts, "run_at": first.run_at, "delay": first.delay,
+        }
+        return _Plan(statements.ENQUEUE_UNIFORM, uniform, rows, owners, returns_rows=False)
     params = {
         "ords": ords,
         "ids": [row.id for row in unique],

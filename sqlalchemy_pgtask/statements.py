@@ -154,6 +154,37 @@ def _enqueue_batch() -> Insert:
 ENQUEUE_BATCH: Final = _enqueue_batch()
 
 
+def _enqueue_uniform() -> Insert:
+    rows = (
+        func.unnest(
+            bindparam("ids", type_=ARRAY(UUID(as_uuid=True))),
+            bindparam("payloads", type_=ARRAY(Text)),
+        )
+        .table_valued(column("id", UUID(as_uuid=True)), column("payload", Text))
+        .render_derived("request")
+    )
+    return insert(_tasks).from_select(
+        list(_ENQUEUE_COLUMNS[:-1]),
+        select(
+            rows.c.id,
+            bindparam("queue", type_=Text),
+            bindparam("name", type_=Text),
+            bindparam("version", type_=Integer),
+            cast(rows.c.payload, JSONB),
+            cast(bindparam("headers", type_=Text), JSONB),
+            bindparam("priority", type_=SmallInteger),
+            bindparam("max_attempts", type_=Integer),
+            _run_at(bindparam("run_at", type_=_TSTZ), bindparam("delay", type_=Double)),
+        ),
+    )
+
+
+#: `ENQUEUE_BATCH` for the common bulk case where every task shares all options but its id and
+#: payload: the shared values are sent once instead of as arrays, which roughly halves the
+#: client's work of encoding the batch. Locks only the new rows. Returns nothing.
+ENQUEUE_UNIFORM: Final = _enqueue_uniform()
+
+
 def _enqueue_batch_idempotent() -> Select[Any]:
     requests = _requests()
     now = func.statement_timestamp()

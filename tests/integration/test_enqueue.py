@@ -432,3 +432,52 @@ def test_bad_input_leaves_the_transaction_usable(pgtask_engine: Engine, call: Ba
         session.commit()
         names = sorted(session.scalars(select(Task.name)).all())
     assert names == ["after", "before"]
+
+
+def _statements_of(engine: Engine) -> list[str]:
+    seen: list[str] = []
+    event.listen(engine, "before_cursor_execute", lambda *a: seen.append(a[2]))
+    return seen
+
+
+def test_a_uniform_batch_sends_shared_options_once_and_stores_them_on_every_task(
+    pgtask_engine: Engine,
+) -> None:
+    seen = _statements_of(pgtask_engine)
+    shared: dict[str, Any] = {
+        "queue": "bulk", "version": 2, "priority": 3, "max_attempts": 7, "delay": 60,
+        "headers": {"trace": "x"},
+    }
+    requests = [EnqueueRequest(name="resize", payload={"n": n}, **shared) for n in range(50)]
+    with Session(pgtask_engine) as session:
+        results = enqueue_many(session, requests)
+        assert "ords" not in seen[-1]  # the shared options went as scalars, not arrays
+        session.commit()
+        rows = {
+            row.id: row
+            for row in session.execute(
+                select(Task.id, Task.queue, Task.name, Task.version, Task.priority,
+                       Task.max_attempts, Task.headers, Task.payload,
+                       Task.run_at - Task.created_at)
+            )
+        }
+    assert [rows[r.id].payload for r in results] == [{"n": n} for n in range(50)]
+    assert {
+        (row.queue, row.name, row.version, row.priority, row.max_attempts, row[6]["trace"],
+         row[8])
+        for row in rows.values()
+    } == {("bulk", "resize", 2, 3, 7, "x", timedelta(seconds=60))}
+
+
+def test_a_batch_with_one_different_option_still_stores_each_tasks_own(
+    pgtask_engine: Engine,
+) -> None:
+    seen = _statements_of(pgtask_engine)
+    requests = [EnqueueRequest(name="t", payload=n, priority=0) for n in range(5)]
+    requests.append(EnqueueRequest(name="t", payload=5, priority=9))
+    with Session(pgtask_engine) as session:
+        results = enqueue_many(session, requests)
+        assert "ords" in seen[-1]  # the per-request arrays
+        session.commit()
+        priorities = {r.id: r.priority for r in session.execute(select(Task.id, Task.priority))}
+    assert [priorities[r.id] for r in results] == [0, 0, 0, 0, 0, 9]
