@@ -391,8 +391,6 @@ class Worker:
         Safe to call from any thread and from signal handlers.
         """
         loop = self._loop
-        if loop is None:
-            return
 
         def request() -> None:
             if immediate or self._stopping.is_set():
@@ -400,7 +398,8 @@ class Worker:
             self._stopping.set()
             self._wake.set()
 
-        if _running_loop() is loop:
+        # Before run() there is no loop yet: the flags make run() return right after startup.
+        if loop is None or _running_loop() is loop:
             request()
         else:
             loop.call_soon_threadsafe(request)

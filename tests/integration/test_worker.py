@@ -1004,3 +1004,19 @@ async def test_a_delayed_task_runs_at_its_database_run_at_without_waiting_for_th
     assert attempt["started_at"] >= row["run_at"]
     assert attempt["started_at"] - row["run_at"] < timedelta(seconds=2)
     assert elapsed < 5
+
+
+async def test_a_shutdown_requested_before_run_makes_run_return_after_startup(
+    pgtask_database_url: str, pgtask_async_engine: AsyncEngine
+) -> None:
+    registry = Registry()
+
+    @registry.task("never-claimed")
+    async def never_claimed(ctx: TaskContext, payload: None) -> None:
+        raise AssertionError("nothing should be claimed after a shutdown request")
+
+    task_id = await add(pgtask_async_engine, "never-claimed")
+    worker = Worker(registry, pgtask_database_url, FAST)
+    worker.shutdown()
+    await asyncio.wait_for(worker.run(), 30)
+    assert (await task_row(pgtask_async_engine, task_id))["attempt"] == 0
