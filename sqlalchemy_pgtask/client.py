@@ -11,13 +11,13 @@ import uuid
 from typing import Any, Final
 
 import psycopg
-from sqlalchemy import Engine, func, make_url, select, text
+from sqlalchemy import URL, Engine, func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from sqlalchemy_pgtask import statements
-from sqlalchemy_pgtask.enqueue import AsyncBind, SyncBind
+from sqlalchemy_pgtask.enqueue import AsyncBind, SyncBind, async_connection_of, connection_of
 from sqlalchemy_pgtask.errors import InvalidOptionError, TaskNotFound
 from sqlalchemy_pgtask.models import ACTIVE_STATES, TERMINAL_STATES, Queue, Task
 from sqlalchemy_pgtask.validation import check_int_range, check_queue_name
@@ -69,22 +69,20 @@ def cancel(bind: SyncBind, task_id: uuid.UUID | str) -> str | None:
     and the task ends cancelled; no success or retry is recorded after the request. Returns
     None when the task does not exist or had already finished. Never commits.
     """
-    connection = bind.connection() if isinstance(bind, Session) else bind
-    row = connection.execute(statements.CANCEL, _cancel_params(task_id)).first()
+    row = connection_of(bind).execute(statements.CANCEL, _cancel_params(task_id)).first()
     return None if row is None else str(row.state)
 
 
 async def cancel_async(bind: AsyncBind, task_id: uuid.UUID | str) -> str | None:
     """`cancel` for an `AsyncSession` or `AsyncConnection`."""
-    connection: AsyncConnection = (
-        await bind.connection() if isinstance(bind, AsyncSession) else bind
-    )
+    connection = await async_connection_of(bind)
     row = (await connection.execute(statements.CANCEL, _cancel_params(task_id))).first()
     return None if row is None else str(row.state)
 
 
-def _conninfo(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+def listen_conninfo(url: URL) -> str:
+    """A libpq connection string for ``url``, for a dedicated ``LISTEN`` connection."""
+    return url.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def _finished(session: Session, task_id: uuid.UUID) -> Task | None:
@@ -112,8 +110,7 @@ def wait_for_result(
     """
     wanted = _task_id(task_id)
     deadline = None if timeout is None else time.monotonic() + timeout
-    url = engine.url.render_as_string(hide_password=False)
-    with psycopg.connect(_conninfo(url), autocommit=True) as listener:
+    with psycopg.connect(listen_conninfo(engine.url), autocommit=True) as listener:
         listener.execute(f"LISTEN {RESULT_CHANNEL}")
         while True:
             with Session(engine, expire_on_commit=False) as session:
@@ -141,8 +138,9 @@ async def wait_for_result_async(
     """`wait_for_result` for an `AsyncEngine`."""
     wanted = _task_id(task_id)
     deadline = None if timeout is None else time.monotonic() + timeout
-    url = engine.url.render_as_string(hide_password=False)
-    listener = await psycopg.AsyncConnection.connect(_conninfo(url), autocommit=True)
+    listener = await psycopg.AsyncConnection.connect(
+        listen_conninfo(engine.url), autocommit=True
+    )
     async with listener:
         await listener.execute(f"LISTEN {RESULT_CHANNEL}")
         while True:
@@ -206,7 +204,7 @@ def configure_queue(
         values["paused_at"] = func.coalesce(Queue.paused_at, func.statement_timestamp()) if (
             paused
         ) else None
-    connection = bind.connection() if isinstance(bind, Session) else bind
+    connection = connection_of(bind)
     current = connection.execute(
         select(Queue.max_outstanding_tasks).where(Queue.name == name).with_for_update()
     ).first()

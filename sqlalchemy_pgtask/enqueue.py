@@ -297,11 +297,23 @@ def _queue_full(exc: DBAPIError) -> QueueFull | None:
 _BIND_ARGUMENTS: Final = {"mapper": Task}
 
 
-def _execute(bind: SyncBind, plan: _Plan) -> list[EnqueueResult]:
+def connection_of(bind: SyncBind) -> Connection:
+    """The connection of ``bind``'s current transaction (begun if needed), without a flush."""
     if isinstance(bind, Session):
-        bind = bind.connection(bind_arguments=_BIND_ARGUMENTS)
+        return bind.connection(bind_arguments=_BIND_ARGUMENTS)
+    return bind
+
+
+async def async_connection_of(bind: AsyncBind) -> AsyncConnection:
+    """`connection_of` for an `AsyncSession` or `AsyncConnection`."""
+    if isinstance(bind, AsyncSession):
+        return await bind.connection(bind_arguments=_BIND_ARGUMENTS)
+    return bind
+
+
+def _execute(bind: SyncBind, plan: _Plan) -> list[EnqueueResult]:
     try:
-        result = bind.execute(plan.statement, plan.params)
+        result = connection_of(bind).execute(plan.statement, plan.params)
     except DBAPIError as exc:
         full = _queue_full(exc)
         if full is not None:
@@ -311,10 +323,8 @@ def _execute(bind: SyncBind, plan: _Plan) -> list[EnqueueResult]:
 
 
 async def _execute_async(bind: AsyncBind, plan: _Plan) -> list[EnqueueResult]:
-    if isinstance(bind, AsyncSession):
-        bind = await bind.connection(bind_arguments=_BIND_ARGUMENTS)
     try:
-        result = await bind.execute(plan.statement, plan.params)
+        result = await (await async_connection_of(bind)).execute(plan.statement, plan.params)
     except DBAPIError as exc:
         full = _queue_full(exc)
         if full is not None:

@@ -412,7 +412,14 @@ def _renew() -> Any:
 RENEW: Final = _renew()
 
 
-def _finish(request: Any, state: ColumnElement[Any], values: dict[str, Any]) -> Select[Any]:
+def _finish(
+    request: Any, state: ColumnElement[Any], values: dict[str, Any], *, release: bool = False
+) -> Select[Any]:
+    """A fenced transition out of running, recorded on the task and on its attempt row.
+
+    A task back to pending records its attempt as failed, or, for a ``release``, as released
+    with no error (the task keeps the error of an earlier failure; the release is not one).
+    """
     done = (
         update(_tasks)
         .where(*_lease_fence(request))
@@ -427,9 +434,11 @@ def _finish(request: Any, state: ColumnElement[Any], values: dict[str, Any]) -> 
         .returning(_tasks.c.id, _tasks.c.attempt, _tasks.c.state, _tasks.c.error)
         .cte("done")
     )
+    back = done.c.state == literal_column("'pending'")
     attempt_state = case(
-        (done.c.state == "pending", literal_column("'failed'")), else_=done.c.state
+        (back, literal_column("'released'" if release else "'failed'")), else_=done.c.state
     )
+    attempt_error = case((back, null()), else_=done.c.error) if release else done.c.error
     recorded = (
         update(_attempts)
         .where(
@@ -438,7 +447,7 @@ def _finish(request: Any, state: ColumnElement[Any], values: dict[str, Any]) -> 
             _attempts.c.task_id == done.c.id,
             _attempts.c.attempt == done.c.attempt,
         )
-        .values(state=attempt_state, finished_at=_NOW, error=done.c.error)
+        .values(state=attempt_state, finished_at=_NOW, error=attempt_error)
         .cte("recorded")
     )
     return select(done.c.id, done.c.state).add_cte(recorded)
@@ -499,38 +508,17 @@ FAIL: Final = _fail()
 
 
 def _release() -> Select[Any]:
-    request = _lease_requests()
     cancel = _tasks.c.cancel_requested_at.is_not(None)
-    done = (
-        update(_tasks)
-        .where(*_lease_fence(request))
-        .values(
-            state=case((cancel, literal_column("'cancelled'")), else_=literal_column("'pending'")),
-            run_at=_NOW,
-            error=case((cancel, _CANCELLED_ERROR), else_=_tasks.c.error),
-            completed_at=case((cancel, _NOW), else_=null()),
-            lease_token=None,
-            lease_owner=None,
-            lease_expires_at=None,
-            updated_at=_NOW,
-        )
-        .returning(_tasks.c.id, _tasks.c.attempt, _tasks.c.state)
-        .cte("done")
+    return _finish(
+        _lease_requests(),
+        case((cancel, literal_column("'cancelled'")), else_=literal_column("'pending'")),
+        {
+            "run_at": _NOW,
+            "error": case((cancel, _CANCELLED_ERROR), else_=_tasks.c.error),
+            "completed_at": case((cancel, _NOW), else_=null()),
+        },
+        release=True,
     )
-    recorded = (
-        update(_attempts)
-        .where(
-            _attempts.c.task_id == any_(bindparam("ids", type_=ARRAY(UUID(as_uuid=True)))),
-            _attempts.c.task_id == done.c.id,
-            _attempts.c.attempt == done.c.attempt,
-        )
-        .values(
-            state=case((done.c.state == "cancelled", done.c.state), else_="released"),
-            finished_at=_NOW,
-        )
-        .cte("recorded")
-    )
-    return select(done.c.id, done.c.state).add_cte(recorded)
 
 
 #: Hands attempts back at shutdown: pending again at once, and the attempt is recorded as

@@ -46,6 +46,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from sqlalchemy_pgtask import statements
+from sqlalchemy_pgtask.client import listen_conninfo
 from sqlalchemy_pgtask.context import StopReason, TaskContext
 from sqlalchemy_pgtask.control import Fail, LeaseLost, Retry, TaskCancelled
 from sqlalchemy_pgtask.errors import InvalidOptionError, PgTaskError, SchemaNotInstalled
@@ -316,10 +317,6 @@ def _identity_arrays(definitions: Sequence[TaskDefinition[Any, Any]]) -> dict[st
     }
 
 
-def _listen_conninfo(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-
-
 class Worker:
     """Runs the handlers of a `Registry` against one PostgreSQL database.
 
@@ -360,9 +357,7 @@ class Worker:
             self._owns_engine = True
         # Every worker statement is a single statement: autocommit spares BEGIN/COMMIT trips.
         self._auto = self._engine.execution_options(isolation_level="AUTOCOMMIT")
-        self._listen_url = _listen_conninfo(
-            self._engine.url.render_as_string(hide_password=False)
-        )
+        self._listen_url = listen_conninfo(self._engine.url)
         self._claim_params = {q: self._claim_parameters(q) for q in self.queues}
         self._lease = float(self.options.lease_duration)
         self._active: dict[uuid.UUID, _Running] = {}

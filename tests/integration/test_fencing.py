@@ -702,6 +702,8 @@ def test_each_attempt_row_ends_in_the_state_of_its_own_ending(
     complete(auto, lease_of(fourth), "done")  # attempt 4: succeeded
     attempts = attempt_rows(auto, task_id)
     assert [a["state"] for a in attempts] == ["lost", "failed", "released", "succeeded"]
+    # The release is not a failure: it must not inherit the task's error of attempt 2.
+    assert [a["error"] is None for a in attempts] == [False, False, True, True]
     assert all(a["finished_at"] is not None for a in attempts)
     assert len({a["lease_token"] for a in attempts}) == 4
     after = task_row(auto, task_id)
