@@ -42,6 +42,7 @@ from sqlalchemy_pgtask.errors import (
     InvalidOptionError,
     PayloadError,
     PgTaskError,
+    PolicyConflict,
     QueueFull,
     SchemaNotInstalled,
     TaskNotFound,
@@ -59,7 +60,7 @@ from sqlalchemy_pgtask.models import (
 )
 from sqlalchemy_pgtask.registry import Registry, TaskDefinition
 from sqlalchemy_pgtask.retry import RetryPolicy
-from sqlalchemy_pgtask.worker import PolicyConflict, Worker, WorkerOptions
+from sqlalchemy_pgtask.worker import Worker, WorkerOptions
 
 try:
     __version__ = _version("sqlalchemy-pgtask")

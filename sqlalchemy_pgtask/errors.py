@@ -10,6 +10,8 @@ The tree::
      ├── QueueFull                              SQLSTATE PT001: the queue is at capacity
      ├── SchemaNotInstalled                     the pgtask schema is missing or out of date
      ├── TaskNotFound                           no task with that id
+     ├── PolicyConflict                         a handler's retry policy differs from the
+     │                                          one frozen in the database for its identity
      └── ServerNotFound                         no PostgreSQL could be found or started
                                                 (tests and the demo only)
 
@@ -24,6 +26,7 @@ __all__ = [
     "InvalidOptionError",
     "PayloadError",
     "PgTaskError",
+    "PolicyConflict",
     "QueueFull",
     "SchemaNotInstalled",
     "ServerNotFound",
@@ -84,6 +87,14 @@ class SchemaNotInstalled(PgTaskError):
 
 class TaskNotFound(PgTaskError):
     """No task exists with that id."""
+
+
+class PolicyConflict(PgTaskError):
+    """A handler's retry policy differs from the one frozen in the database for its identity.
+
+    Policies are immutable per (queue, task name, handler version) so tasks already in flight
+    keep retrying as they were promised. Register the new policy under a new handler version.
+    """
 
 
 class ServerNotFound(PgTaskError):

@@ -34,6 +34,14 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, TIMESTAMP, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from sqlalchemy_pgtask.states import (
+    ACTIVE_STATES,
+    ATTEMPT_STATES,
+    TASK_STATES,
+    TERMINAL_STATES,
+    AttemptState,
+    TaskState,
+)
 from sqlalchemy_pgtask.validation import (
     ERROR_MAX_BYTES,
     HEADERS_MAX_BYTES,
@@ -63,12 +71,6 @@ __all__ = [
 
 SCHEMA: Final = "pgtask"
 
-TASK_STATES: Final = ("pending", "running", "waiting", "succeeded", "failed", "cancelled")
-ACTIVE_STATES: Final = ("pending", "running", "waiting")
-TERMINAL_STATES: Final = ("succeeded", "failed", "cancelled")
-ATTEMPT_STATES: Final = (
-    "running", "succeeded", "failed", "lost", "cancelled", "suspended", "released",
-)
 RETRY_KINDS: Final = ("never", "fixed", "exponential")
 
 metadata = MetaData(
@@ -237,7 +239,7 @@ class Task(Base):
     version: Mapped[int] = mapped_column(Integer, server_default=text("1"))
     payload: Mapped[Any] = mapped_column(JSONB)
     headers: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
-    state: Mapped[str] = mapped_column(Text, server_default=text("'pending'"))
+    state: Mapped[TaskState] = mapped_column(Text, server_default=text("'pending'"))
     #: Higher runs first.
     priority: Mapped[int] = mapped_column(SmallInteger, server_default=text("0"))
     #: Earliest claim time, in database time.
@@ -289,7 +291,7 @@ class Attempt(Base):
     attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
     lease_token: Mapped[uuid.UUID]
     worker_id: Mapped[uuid.UUID | None]
-    state: Mapped[str] = mapped_column(Text, server_default=text("'running'"))
+    state: Mapped[AttemptState] = mapped_column(Text, server_default=text("'running'"))
     started_at: Mapped[datetime] = mapped_column(server_default=_NOW)
     finished_at: Mapped[datetime | None]
     error: Mapped[dict[str, Any] | None]

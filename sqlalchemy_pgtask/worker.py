@@ -49,26 +49,18 @@ from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask.client import listen_conninfo
 from sqlalchemy_pgtask.context import StopReason, TaskContext
 from sqlalchemy_pgtask.control import Fail, LeaseLost, Retry, TaskCancelled
-from sqlalchemy_pgtask.errors import InvalidOptionError, PgTaskError, SchemaNotInstalled
+from sqlalchemy_pgtask.errors import InvalidOptionError, PolicyConflict, SchemaNotInstalled
 from sqlalchemy_pgtask.outcome import error_document, result_document
 from sqlalchemy_pgtask.registry import Registry, TaskDefinition
 from sqlalchemy_pgtask.retry import RetryPolicy
 from sqlalchemy_pgtask.validation import check_queue_name
 
-__all__ = ["PolicyConflict", "Worker", "WorkerOptions"]
+__all__ = ["Worker", "WorkerOptions"]
 
 logger = logging.getLogger(__name__)
 
 READY_CHANNEL: Final = "pgtask_ready"
 _T = TypeVar("_T")
-
-
-class PolicyConflict(PgTaskError):
-    """A handler's retry policy differs from the one frozen in the database for its identity.
-
-    Policies are immutable per (queue, task name, handler version) so tasks already in flight
-    keep retrying as they were promised. Register the new policy under a new handler version.
-    """
 
 
 @dataclass(frozen=True, kw_only=True)
