@@ -41,13 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run as bench_run
 
 from sqlalchemy_pgtask import EnqueueRequest, enqueue_many, statements
-from sqlalchemy_pgtask._server import (
+from sqlalchemy_pgtask.migrations import upgrade
+from sqlalchemy_pgtask.registry import DEFAULT_RETRY
+from sqlalchemy_pgtask.testing import (
     create_database,
     drop_database,
     provide_server,
 )
-from sqlalchemy_pgtask.migrations import upgrade
-from sqlalchemy_pgtask.registry import DEFAULT_RETRY
 
 _DIALECT = postgresql.psycopg.dialect()  # type: ignore[no-untyped-call]
 _PARAM = re.compile(r"%\((\w+)\)s")
@@ -68,14 +68,19 @@ def compile_positional(statement: ClauseElement) -> tuple[str, list[str], dict[s
     return text, names, dict(compiled.params)
 
 
+CAPABILITIES = statements.capability_params(
+    ["default"], [statements.Capability("default", "noop", 1, DEFAULT_RETRY, 5)]
+)
+
+
 def claim_params(limit: int, worker: uuid.UUID) -> dict[str, Any]:
-    retry = DEFAULT_RETRY
-    return {
-        "claim_queue": "default", "worker_id": worker, "lease_seconds": 30.0, "limit": limit,
-        "names": ["noop"], "versions": [1], "retry_kinds": [retry.kind],
-        "retry_bases": [retry.base_seconds], "retry_factors": [retry.factor],
-        "retry_maxes": [retry.max_seconds], "retry_jitters": [retry.jitter],
-    }
+    return dict(
+        statements.claim_params(CAPABILITIES, worker_id=worker, lease_seconds=30.0, limit=limit)
+    )
+
+
+def leases(rows: Any) -> list[statements.Lease]:
+    return [statements.Lease(r[0], r[7], r[10]) for r in rows]
 
 
 def execute(conn: psycopg.Connection[Any], statement: ClauseElement, params: dict[str, Any]
@@ -166,30 +171,23 @@ def show(server_url: str, args: argparse.Namespace) -> None:
             done = 0
             while done < args.tasks // 2:
                 rows = execute(conn, statements.CLAIM, claim_params(args.batch, worker))
-                execute(conn, statements.COMPLETE, {
-                    "ids": [r[0] for r in rows],
-                    "attempts": [r[7] for r in rows], "tokens": [r[10] for r in rows],
-                    "results": ["null"] * len(rows), "running": "running",
-                })
+                execute(conn, statements.COMPLETE, dict(
+                    statements.complete_params(leases(rows), ["null"] * len(rows))
+                ))
                 done += len(rows)
             running = execute(conn, statements.CLAIM, claim_params(args.batch, worker))
-            lease = {
-                "ids": [r[0] for r in running], "attempts": [r[7] for r in running],
-                "tokens": [r[10] for r in running], "running": "running",
-            }
+            held = leases(running)
             print(f"{args.tasks} tasks enqueued, {done} claimed and completed, "
                   f"{len(running)} running; statistics from before the drain.")
             explain(conn, "CLAIM", statements.CLAIM, claim_params(args.batch, worker))
             explain(conn, "COMPLETE", statements.COMPLETE,
-                    {**lease, "results": ["null"] * len(running)})
-            explain(conn, "FAIL", statements.FAIL, {
-                **lease, "errors": ['{"type": "x"}'] * len(running),
-                "delays": [1.0] * len(running),
-            })
-            explain(conn, "RENEW", statements.RENEW, {**lease, "lease_seconds": 30.0})
+                    dict(statements.complete_params(held, ["null"] * len(held))))
+            explain(conn, "FAIL", statements.FAIL, dict(statements.fail_params(
+                held, ['{"type": "x"}'] * len(held), [1.0] * len(held)
+            )))
+            explain(conn, "RENEW", statements.RENEW, dict(statements.renew_params(held, 30.0)))
             explain(conn, "RECOVER", statements.RECOVER, {"limit": 100})
-            explain(conn, "SECONDS_UNTIL_DUE", statements.SECONDS_UNTIL_DUE,
-                    {"queues": ["default"]})
+            explain(conn, "SECONDS_UNTIL_DUE", statements.SECONDS_UNTIL_DUE, dict(CAPABILITIES))
     finally:
         engine.dispose()
         drop_database(database)

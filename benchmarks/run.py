@@ -77,8 +77,8 @@ from sqlalchemy.orm import Session
 
 import sqlalchemy_pgtask
 from sqlalchemy_pgtask import EnqueueRequest, enqueue, enqueue_many
-from sqlalchemy_pgtask._server import create_database, drop_database, provide_server
 from sqlalchemy_pgtask.migrations import upgrade
+from sqlalchemy_pgtask.testing import create_database, drop_database, provide_server
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_JSON = HERE / "results.json"

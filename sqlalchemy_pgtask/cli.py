@@ -7,11 +7,9 @@ usage error (bad arguments or URL). User mistakes print one line to stderr, neve
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import logging
 import os
-import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
@@ -97,7 +95,7 @@ def _load_registry(target: str) -> Registry:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from sqlalchemy_pgtask.worker import Worker, WorkerOptions
+    from sqlalchemy_pgtask.worker import WorkerOptions, run
 
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -111,16 +109,9 @@ def _worker(args: argparse.Namespace) -> int:
         shutdown_grace=args.shutdown_grace,
         poll_interval=args.poll_interval,
     )
-    worker = Worker(registry, _database_url(args), options)
-
-    async def serve() -> None:
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            # First signal: drain; second: hand back what runs and stop now.
-            loop.add_signal_handler(signum, worker.shutdown)
-        await worker.run()
-
-    asyncio.run(serve())
+    # First signal: drain; second: hand back what runs and stop now; later ones: ignored
+    # until the process has exited.
+    run(registry, _database_url(args), options, restore_signals=False)
     return EXIT_OK
 
 

@@ -16,9 +16,10 @@ from sqlalchemy_pgtask.control import LeaseLost, TaskCancelled
 
 __all__ = ["StopReason", "TaskContext"]
 
-#: Why a handler is asked to stop: someone cancelled the task, this attempt lost its lease, or
-#: the worker is shutting down and will hand the task back.
-StopReason = Literal["cancelled", "lease_lost", "shutdown"]
+#: Why a handler is asked to stop: someone cancelled the task; this attempt lost its lease; its
+#: lease could not be renewed and would expire before renewal succeeds (the worker hands the
+#: task back); or the worker is shutting down and hands the task back.
+StopReason = Literal["cancelled", "lease_lost", "lease_expiring", "shutdown"]
 
 
 @dataclass(eq=False)

@@ -11,20 +11,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import Integer, MetaData, String, create_engine, func, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from sqlalchemy_pgtask._server import create_database, drop_database, provide_server
 from sqlalchemy_pgtask.context import TaskContext
 from sqlalchemy_pgtask.migrations import upgrade
-from sqlalchemy_pgtask.models import TERMINAL_STATES, Attempt, Task
+from sqlalchemy_pgtask.models import Attempt, Task
 from sqlalchemy_pgtask.registry import Registry
 from sqlalchemy_pgtask.retry import RetryPolicy
-from sqlalchemy_pgtask.worker import Worker, WorkerOptions
+from sqlalchemy_pgtask.states import TERMINAL_STATES
+from sqlalchemy_pgtask.testing import (
+    create_database,
+    drop_database,
+    provide_server,
+    running_worker,
+    wait_until,
+)
+from sqlalchemy_pgtask.worker import WorkerOptions
 
 __all__ = ["registry", "run_demo"]
 
@@ -66,27 +72,21 @@ def _place_order(
 
 
 async def _run_worker(url: str, say: Callable[[str], None], timeout: float) -> None:
-    worker = Worker(registry, url, WorkerOptions(concurrency=4, lease_duration=5.0))
     engine = create_engine(url)
-    runner = asyncio.create_task(worker.run())
+
+    def finished() -> bool:
+        with Session(engine) as session:
+            unfinished = session.scalar(
+                select(func.count()).select_from(Task).where(Task.state.not_in(TERMINAL_STATES))
+            )
+        return not unfinished
+
     try:
-        await worker.wait_until_ready(timeout)
-        say(f"worker {worker.id} is running (concurrency 4)")
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with Session(engine) as session:
-                unfinished = session.scalar(
-                    select(func.count()).select_from(Task)
-                    .where(Task.state.not_in(TERMINAL_STATES))
-                )
-            if not unfinished:
-                break
-            await asyncio.sleep(0.05)  # polling the demo's own progress display
-        else:
-            raise TimeoutError(f"tasks did not finish within {timeout} s")
+        options = WorkerOptions(concurrency=4, lease_duration=5.0)
+        async with running_worker(registry, url, options, startup_timeout=timeout) as worker:
+            say(f"worker {worker.id} is running (concurrency 4)")
+            await wait_until(finished, timeout, interval=0.05, message="every task to finish")
     finally:
-        worker.shutdown()
-        await runner
         engine.dispose()
 
 

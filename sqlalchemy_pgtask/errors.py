@@ -10,6 +10,8 @@ The tree::
      ├── QueueFull                              SQLSTATE PT001: the queue is at capacity
      ├── SchemaNotInstalled                     the pgtask schema is missing or out of date
      ├── TaskNotFound                           no task with that id
+     ├── WorkerCrashed                          an internal loop of a worker failed; the
+     │                                          worker stopped and handed its tasks back
      ├── PolicyConflict                         a handler's retry policy differs from the
      │                                          one frozen in the database for its identity
      └── ServerNotFound                         no PostgreSQL could be found or started
@@ -32,6 +34,7 @@ __all__ = [
     "ServerNotFound",
     "TaskNotFound",
     "ValidationError",
+    "WorkerCrashed",
 ]
 
 
@@ -94,6 +97,14 @@ class PolicyConflict(PgTaskError):
 
     Policies are immutable per (queue, task name, handler version) so tasks already in flight
     keep retrying as they were promised. Register the new policy under a new handler version.
+    """
+
+
+class WorkerCrashed(PgTaskError):
+    """An internal loop of the worker failed; the worker stopped and handed its tasks back.
+
+    The cause (``__cause__``) is the loop's exception: something no retry can fix, such as a
+    permission the worker's role lacks or a schema that was changed under it.
     """
 
 

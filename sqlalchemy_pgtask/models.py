@@ -24,6 +24,7 @@ from sqlalchemy import (
     CheckConstraint,
     Double,
     ForeignKey,
+    Identity,
     Index,
     Integer,
     MetaData,
@@ -60,6 +61,7 @@ __all__ = [
     "TERMINAL_STATES",
     "Attempt",
     "Base",
+    "CapacityRelease",
     "HandlerPolicy",
     "IdempotencyKey",
     "Queue",
@@ -155,7 +157,9 @@ class Queue(Base):
     )
     #: Capacity: the most pending + running + waiting tasks; NULL means unlimited.
     max_outstanding_tasks: Mapped[int | None] = mapped_column(BigInteger)
-    #: Admission counter, maintained only while ``max_outstanding_tasks`` is set.
+    #: Admission counter, maintained only while ``max_outstanding_tasks`` is set (recounted by
+    #: a trigger when a limit is turned on). Finished tasks not yet folded in are in
+    #: `CapacityRelease`: the exact count is this minus their sum.
     outstanding_tasks: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
     #: A paused queue accepts enqueues and claims nothing.
     paused_at: Mapped[datetime | None]
@@ -175,6 +179,8 @@ class Task(Base):
         CheckConstraint("attempt >= 0", name="attempt"),
         CheckConstraint("failed_attempts >= 0 AND failed_attempts <= attempt", name="failed"),
         CheckConstraint("max_attempts > 0", name="max_attempts"),
+        # Unset until the first claim, which takes the registered handler's max_attempts.
+        CheckConstraint("max_attempts IS NOT NULL OR attempt = 0", name="max_attempts_known"),
         CheckConstraint(
             "state <> 'running' OR (lease_token IS NOT NULL AND lease_owner IS NOT NULL"
             " AND lease_expires_at IS NOT NULL)",
@@ -221,6 +227,12 @@ class Task(Base):
             "queue", "state",
             postgresql_where=text(f"state IN ({_quoted(ACTIVE_STATES)})"),
         ),
+        # Finished tasks by queue and state: status counts and retention.
+        Index(
+            "ix_tasks_finished",
+            "queue", "state", "completed_at",
+            postgresql_where=text(f"state IN ({_quoted(TERMINAL_STATES)})"),
+        ),
         Index(
             "ix_tasks_parent",
             "parent_id",
@@ -248,7 +260,8 @@ class Task(Base):
     attempt: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     #: Attempts that ended in failure; only these count against ``max_attempts``.
     failed_attempts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
-    max_attempts: Mapped[int] = mapped_column(Integer, server_default=text("5"))
+    #: Failed attempts allowed; None until the first claim fills in the handler's default.
+    max_attempts: Mapped[int | None] = mapped_column(Integer)
     lease_token: Mapped[uuid.UUID | None]
     lease_owner: Mapped[uuid.UUID | None]
     lease_expires_at: Mapped[datetime | None]
@@ -354,12 +367,14 @@ class WorkerCapability(Base):
 
 
 class HandlerPolicy(Base):
-    """The retry policy of a handler identity, frozen by the first worker that registers it."""
+    """The retry policy and attempt budget of a handler identity, frozen by the first worker
+    that registers it."""
 
     __tablename__ = "handler_policies"
     __table_args__ = (
         CheckConstraint(f"retry_kind IN ({_quoted(RETRY_KINDS)})", name="retry_kind"),
         CheckConstraint(_retry_shape_check(), name="retry_policy"),
+        CheckConstraint("max_attempts > 0", name="max_attempts"),
     )
 
     queue: Mapped[str] = mapped_column(Text, primary_key=True)
@@ -370,5 +385,26 @@ class HandlerPolicy(Base):
     retry_factor: Mapped[float | None] = mapped_column(Double)
     retry_max_seconds: Mapped[float | None] = mapped_column(Double)
     retry_jitter: Mapped[bool] = mapped_column(Boolean)
+    #: Applies to tasks enqueued without their own ``max_attempts``.
+    max_attempts: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(server_default=_NOW)
+
+
+class CapacityRelease(Base):
+    """Room given back by a finished (or deleted) task of a capacity-limited queue.
+
+    Appended by a trigger instead of decrementing ``queues.outstanding_tasks``, so finishing a
+    task never waits for a producer that holds the queue row; admission folds these rows into
+    the counter under the lock it takes anyway.
+    """
+
+    __tablename__ = "capacity_releases"
+    __table_args__ = (
+        CheckConstraint("released > 0", name="released"),
+        Index("ix_capacity_releases_queue", "queue"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(always=True), primary_key=True)
+    queue: Mapped[str] = mapped_column(Text)
+    released: Mapped[int] = mapped_column(Integer)
 

@@ -1,4 +1,8 @@
-"""outcome: turns what a handler did into the JSON the database stores; pure, no I/O.
+"""outcome: decides what a finished attempt writes, and the JSON it stores; pure, no I/O.
+
+`decide` is the whole decision, from what the handler returned or raised and why (if at all)
+the worker asked it to stop, to the write: complete, fail (with or without a retry delay),
+release, or nothing (the lease is gone).
 
 A handler's return value must fit the result column (JSON, at most 1 MiB, no NUL): anything
 else is a terminal ``result_rejected`` failure, because retrying would produce the same value
@@ -9,14 +13,43 @@ are replaced, so writing a failure can never fail.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 import traceback
-from typing import Any, Final
+from dataclasses import dataclass
+from typing import Any, Final, Literal
 
+from sqlalchemy_pgtask.context import StopReason
+from sqlalchemy_pgtask.control import Fail, LeaseLost, Retry, TaskCancelled
 from sqlalchemy_pgtask.errors import PayloadError
+from sqlalchemy_pgtask.retry import RetryPolicy
 from sqlalchemy_pgtask.validation import ERROR_MAX_BYTES, RESULT_MAX_BYTES, dump_json
 
-__all__ = ["error_document", "result_document"]
+__all__ = [
+    "ErrorKind",
+    "Outcome",
+    "WriteKind",
+    "decide",
+    "error_document",
+    "one_line",
+    "result_document",
+]
+
+#: The ``type`` of a stored error document: what ended the attempt.
+ErrorKind = Literal[
+    "handler_error",  # the handler raised; retried by policy
+    "fail",  # the handler raised Fail: no retry
+    "non_retryable",  # the handler raised one of its definition's non_retryable types
+    "retry",  # the handler raised Retry: retried after its delay (or the policy's)
+    "result_rejected",  # the return value cannot be stored: no retry, it would repeat
+    "cancelled",  # someone cancelled the task
+    "lease_expired",  # the worker died or stalled; recovery took the task back
+    "outcome_rejected",  # the database refused to record the outcome
+]
+
+#: The fenced statement an outcome is written with.
+WriteKind = Literal["complete", "fail", "release"]
 
 _MESSAGE_MAX_CHARS: Final = 16 * 1024
 _TRACEBACK_MAX_CHARS: Final = 128 * 1024
@@ -48,6 +81,13 @@ def _describe(exc: BaseException) -> tuple[str, str]:
     except Exception:
         tb = "".join(traceback.format_tb(exc.__traceback__)) + message
     return message, tb
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """``Type: message`` on one printable line, for logs (never raises, never holds NUL)."""
+    message, _ = _describe(exc)
+    text, cut = _clean(" ".join(message.split()), limit)
+    return f"{type(exc).__name__}: {text}{'...' if cut else ''}"
 
 
 def _encoded_size(document: dict[str, Any]) -> int:
@@ -100,3 +140,74 @@ def result_document(value: object) -> tuple[str | None, str | None]:
         return dump_json("result", value, RESULT_MAX_BYTES), None
     except PayloadError as exc:
         return None, error_document("result_rejected", reason=exc.reason)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What to write for a finished attempt."""
+
+    kind: WriteKind
+    #: The result JSON for ``complete``, the error JSON for ``fail``, None for ``release``.
+    document: str | None = None
+    #: For ``fail``: seconds until the retry, or None for no retry.
+    delay: float | None = None
+    #: For ``fail``: the error's kind (also the document's ``type``), for logs and metrics.
+    error_kind: ErrorKind | None = None
+
+
+def _failure(
+    kind: ErrorKind, exc: BaseException | None, delay: float | None = None, **fields: Any
+) -> Outcome:
+    return Outcome("fail", error_document(kind, exc, **fields), delay, kind)
+
+
+def decide(
+    *,
+    returned: object = None,
+    raised: BaseException | None = None,
+    stop: StopReason | None = None,
+    stopped_by_worker: bool = False,
+    policy: RetryPolicy,
+    failed_attempts: int,
+    non_retryable: tuple[type[BaseException], ...] = (),
+    rng: random.Random | None = None,
+) -> Outcome | None:
+    """The write for an attempt whose handler returned ``returned`` or raised ``raised``.
+
+    ``stop`` is why the worker asked the handler to stop, if it did; ``stopped_by_worker``
+    says the worker cancelled the handler's coroutine itself (so a `CancelledError` is the
+    worker's doing, not the handler's). ``failed_attempts`` counts the attempts that failed
+    before this one. None means write nothing: the lease is gone, and with it the right to
+    write.
+    """
+    if stop == "lease_lost":
+        return None
+    stopping = isinstance(raised, (LeaseLost, TaskCancelled)) or (
+        isinstance(raised, asyncio.CancelledError) and stopped_by_worker
+    )
+    if stop is not None and stopping:
+        if stop == "cancelled":
+            return _failure("cancelled", None)
+        return Outcome("release")  # shutdown, or a lease about to expire: hand it back
+    if raised is None:
+        result, rejected = result_document(returned)
+        if rejected is not None:
+            return Outcome("fail", rejected, None, "result_rejected")
+        # A success after a cancel request is recorded as cancelled by the statement itself.
+        return Outcome("complete", result)
+    if isinstance(raised, TaskCancelled):
+        return _failure("cancelled", None)
+    if isinstance(raised, LeaseLost):
+        return None
+    if isinstance(raised, Fail):
+        return _failure("fail", raised)
+    if isinstance(raised, Retry):
+        delay = raised.delay
+        if delay is None:
+            # An explicit Retry retries even under a "never" policy: at once.
+            delay = policy.delay(failed_attempts + 1, rng) or 0.0
+        return _failure("retry", raised, max(0.0, delay))
+    if isinstance(raised, non_retryable):
+        return _failure("non_retryable", raised)
+    # Anything else, a CancelledError the handler raised itself and SystemExit included.
+    return _failure("handler_error", raised, policy.delay(failed_attempts + 1, rng))

@@ -13,15 +13,41 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol, TypedDict
 
 from sqlalchemy_pgtask.errors import InvalidOptionError
 from sqlalchemy_pgtask.validation import check_seconds
 
-__all__ = ["RetryKind", "RetryPolicy"]
+__all__ = ["PolicyArrays", "PolicyRow", "RetryKind", "RetryPolicy"]
 
 RetryKind = Literal["never", "fixed", "exponential"]
+
+
+class PolicyRow(Protocol):
+    """A row with a stored policy's columns (``tasks`` and ``handler_policies`` both have them)."""
+
+    @property
+    def retry_kind(self) -> str | None: ...
+    @property
+    def retry_base_seconds(self) -> float | None: ...
+    @property
+    def retry_factor(self) -> float | None: ...
+    @property
+    def retry_max_seconds(self) -> float | None: ...
+    @property
+    def retry_jitter(self) -> bool | None: ...
+
+
+class PolicyArrays(TypedDict):
+    """Policies as the parallel arrays the statements bind (one element per policy)."""
+
+    retry_kinds: list[str]
+    retry_bases: list[float | None]
+    retry_factors: list[float | None]
+    retry_maxes: list[float | None]
+    retry_jitters: list[bool]
 
 
 @dataclass(frozen=True)
@@ -106,6 +132,31 @@ class RetryPolicy:
         except OverflowError:  # a huge failure count saturates at the cap
             return self.max_seconds
         return min(ceiling, self.max_seconds)
+
+    @classmethod
+    def from_row(cls, row: PolicyRow) -> RetryPolicy | None:
+        """The policy stored in ``row``'s ``retry_*`` columns, or None when none is stored."""
+        if row.retry_kind is None:
+            return None
+        kind: RetryKind = row.retry_kind  # type: ignore[assignment]  # the CHECK allows no other
+        return cls(
+            kind,
+            base_seconds=row.retry_base_seconds,
+            factor=row.retry_factor,
+            max_seconds=row.retry_max_seconds,
+            jitter=bool(row.retry_jitter),
+        )
+
+    @staticmethod
+    def as_arrays(policies: Sequence[RetryPolicy]) -> PolicyArrays:
+        """``policies`` as the parallel arrays statements bind, in the same order."""
+        return {
+            "retry_kinds": [p.kind for p in policies],
+            "retry_bases": [p.base_seconds for p in policies],
+            "retry_factors": [p.factor for p in policies],
+            "retry_maxes": [p.max_seconds for p in policies],
+            "retry_jitters": [p.jitter for p in policies],
+        }
 
     def delay(self, failed_attempts: int, rng: random.Random | None = None) -> float | None:
         """Seconds to wait before the next attempt, jitter applied; None means do not retry."""

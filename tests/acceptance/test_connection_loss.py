@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 
 from sqlalchemy import make_url, text
 
-from sqlalchemy_pgtask._server import ServerInfo
+from sqlalchemy_pgtask.testing import ServerInfo
 from tests.acceptance.workerproc import (
     LEASE_SECONDS,
     TEST_APPLICATION,
@@ -184,7 +184,9 @@ def test_handler_is_stopped_before_its_lease_expires_when_renewal_keeps_failing(
         describe=worker.describe,
     )
     first, second = db.attempts(task_id)
-    assert (first.state, second.state) == ("lost", "succeeded")
+    # The worker handed the stopped attempt back once it could write again (released), unless
+    # recovery found its lease expired first (lost): either way attempt 2 ran it.
+    assert (first.state, second.state) in {("released", "succeeded"), ("lost", "succeeded")}
     # The stopped handler never reached its end; only attempt 2 did.
     runs = db.rows(
         "SELECT attempt, finished_at FROM acceptance_runs WHERE task_id = :id ORDER BY attempt",

@@ -1,8 +1,8 @@
 """Statement-level proofs of the transition matrix: claim, renew, complete, fail, release, recover.
 
 Each test runs the compiled statements of ``sqlalchemy_pgtask.statements`` directly, with the
-parameters the worker binds (see ``Worker._claim_parameters``, ``_renew`` and
-``_execute_outcomes``), over several connections to a real PostgreSQL. A lease is expired by
+parameters their builders make (the worker binds nothing else), over several connections to a
+real PostgreSQL. A lease is expired by
 moving ``lease_expires_at`` into the past with database time, never by sleeping.
 """
 
@@ -13,7 +13,7 @@ import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from sqlalchemy import Connection, Engine, insert, select, text, update
@@ -25,8 +25,7 @@ from sqlalchemy_pgtask.outcome import error_document
 LEASE = 30.0
 WORKER = uuid.UUID("00000000-0000-4000-8000-000000000001")
 DEFAULT_POLICY = RetryPolicy.fixed(2.0, jitter=False)
-#: What fences a write: (task id, attempt number, lease token).
-Lease = tuple[uuid.UUID, int, Any]
+Lease = st.Lease
 
 
 # -- the worker's parameters ---------------------------------------------------------------
@@ -40,40 +39,24 @@ def claim_parameters(
     limit: int = 10,
     worker_id: uuid.UUID = WORKER,
     lease: float = LEASE,
-) -> dict[str, Any]:
-    """What ``Worker._claim_parameters`` binds, for handlers sharing one policy."""
-    count = len(identities)
-    return {
-        "claim_queue": queue,
-        "worker_id": worker_id,
-        "lease_seconds": lease,
-        "names": [name for name, _ in identities],
-        "versions": [version for _, version in identities],
-        "retry_kinds": [policy.kind] * count,
-        "retry_bases": [policy.base_seconds] * count,
-        "retry_factors": [policy.factor] * count,
-        "retry_maxes": [policy.max_seconds] * count,
-        "retry_jitters": [policy.jitter] * count,
-        "limit": limit,
-    }
+    max_attempts: int = 5,
+) -> st.ClaimParams:
+    """What the worker binds (``statements.claim_params``), for handlers sharing one policy."""
+    capabilities = [
+        st.Capability(queue, name, version, policy, max_attempts) for name, version in identities
+    ]
+    return st.claim_params(
+        st.capability_params([queue], capabilities),
+        worker_id=worker_id, lease_seconds=lease, limit=limit,
+    )
 
 
 def claim(conn: Connection, **kwargs: Any) -> Sequence[Any]:
     return conn.execute(st.CLAIM, claim_parameters(**kwargs)).all()
 
 
-def fence(leases: Sequence[Lease]) -> dict[str, Any]:
-    return {
-        "ids": [task_id for task_id, _, _ in leases],
-        "attempts": [attempt for _, attempt, _ in leases],
-        "tokens": [token for _, _, token in leases],
-        "running": "running",
-    }
-
-
 def complete(conn: Connection, lease: Lease, result: Any) -> Sequence[Any]:
-    params = fence([lease]) | {"results": [json.dumps(result)]}
-    return conn.execute(st.COMPLETE, params).all()
+    return conn.execute(st.COMPLETE, st.complete_params([lease], [json.dumps(result)])).all()
 
 
 def fail(
@@ -83,24 +66,23 @@ def fail(
     error: str | None = None,
 ) -> Sequence[Any]:
     document = error if error is not None else error_document("handler_error", ValueError("x"))
-    params = fence([lease]) | {"errors": [document], "delays": [delay]}
-    return conn.execute(st.FAIL, params).all()
+    return conn.execute(st.FAIL, st.fail_params([lease], [document], [delay])).all()
 
 
 def renew(conn: Connection, lease: Lease, seconds: float = LEASE) -> Sequence[Any]:
-    return conn.execute(st.RENEW, fence([lease]) | {"lease_seconds": seconds}).all()
+    return conn.execute(st.RENEW, st.renew_params([lease], seconds)).all()
 
 
 def release(conn: Connection, lease: Lease) -> Sequence[Any]:
-    return conn.execute(st.RELEASE, fence([lease])).all()
+    return conn.execute(st.RELEASE, st.fence_params([lease])).all()
 
 
 def recover(conn: Connection, limit: int = 100) -> Sequence[Any]:
     return conn.execute(st.RECOVER, {"limit": limit}).all()
 
 
-def lease_of(row: Any) -> tuple[uuid.UUID, int, uuid.UUID]:
-    return (row.id, row.attempt, row.lease_token)
+def lease_of(row: Any) -> Lease:
+    return Lease(row.id, row.attempt, row.lease_token)
 
 
 # -- reading and arranging state -----------------------------------------------------------
@@ -543,12 +525,12 @@ def test_every_part_of_the_fence_must_match(
 ) -> None:
     task_id, (_, _, stale_token), (_, attempt, token) = reclaimed
     if mismatch == "attempt":
-        assert_no_write(auto, task_id, (task_id, attempt - 1, token))
-        assert_no_write(auto, task_id, (task_id, attempt + 1, token))
+        assert_no_write(auto, task_id, Lease(task_id, attempt - 1, token))
+        assert_no_write(auto, task_id, Lease(task_id, attempt + 1, token))
     else:
-        assert_no_write(auto, task_id, (task_id, attempt, stale_token))
-        assert_no_write(auto, task_id, (task_id, attempt, uuid.uuid4()))
-        assert_no_write(auto, task_id, (task_id, attempt, None))
+        assert_no_write(auto, task_id, Lease(task_id, attempt, stale_token))
+        assert_no_write(auto, task_id, Lease(task_id, attempt, uuid.uuid4()))
+        assert_no_write(auto, task_id, Lease(task_id, attempt, cast(uuid.UUID, None)))
 
 
 def test_the_fence_requires_the_running_state(auto: Connection, reclaimed: Any) -> None:
@@ -582,10 +564,28 @@ def test_a_batch_writes_the_attempts_that_hold_their_lease_and_skips_the_rest(
     stolen = ids[1]
     auto.execute(update(Task).where(Task.id == stolen).values(lease_token=uuid.uuid4()))
     leases = [lease_of(rows[i]) for i in ids]
-    params = fence(leases) | {"results": [json.dumps(i) for i in range(3)]}
+    params = st.complete_params(leases, [json.dumps(i) for i in range(3)])
     written = {row.id for row in auto.execute(st.COMPLETE, params)}
     assert written == {ids[0], ids[2]}
     assert task_row(auto, stolen)["state"] == "running"
+
+
+@pytest.mark.parametrize("operation", OPERATIONS)
+def test_fenced_writes_skip_a_row_another_transaction_holds_instead_of_waiting(
+    pgtask_engine: Engine, auto: Connection, operation: str
+) -> None:
+    # cancel() inside a long business transaction holds the task row until it commits; the
+    # worker's writes must not queue behind it (their lease would run out while they wait).
+    held_id, free_id = add_task(pgtask_engine), add_task(pgtask_engine)
+    rows = {row.id: row for row in claim(auto)}
+    auto.execute(text("SET lock_timeout = '5s'"))  # a wait would fail the test, not hang it
+    with pgtask_engine.connect() as business:
+        assert cancel(business, held_id) == "running"  # uncommitted: the row stays locked
+        assert stale_write(auto, operation, lease_of(rows[held_id])) == []
+        assert [r.id for r in stale_write(auto, operation, lease_of(rows[free_id]))] == [free_id]
+        business.commit()
+    # The skipped attempt still holds its lease and writes once the row is free.
+    assert [r.id for r in stale_write(auto, operation, lease_of(rows[held_id]))] == [held_id]
 
 
 # -- recovery ------------------------------------------------------------------------------

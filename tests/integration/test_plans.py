@@ -19,7 +19,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql import ClauseElement
 
 from sqlalchemy_pgtask import statements
-from sqlalchemy_pgtask.worker import _PLANNER_SETTINGS
+from sqlalchemy_pgtask.worker._reconnect import PLANNER_SETTINGS
 
 
 def _positional(statement: ClauseElement, values: dict[str, Any]) -> tuple[str, list[Any]]:
@@ -55,7 +55,7 @@ def _claim_many(engine: Engine, count: int) -> None:
         )
         connection.execute(
             text(
-                "WITH c AS (UPDATE pgtask.tasks SET state = 'running', attempt = 1, "
+                "WITH c AS (UPDATE pgtask.tasks SET state = 'running', attempt = 1, max_attempts = 5, "
                 "lease_token = gen_random_uuid(), lease_owner = gen_random_uuid(), "
                 "lease_expires_at = now() + interval '1 hour' RETURNING id, lease_token) "
                 "INSERT INTO pgtask.attempts (task_id, attempt, lease_token) "
@@ -65,13 +65,7 @@ def _claim_many(engine: Engine, count: int) -> None:
 
 
 def _plan_after_growth(engine: Engine, url: str, settings: tuple[tuple[str, str], ...]) -> str:
-    values = {
-        "ids": [uuid.uuid4()],
-        "attempts": [1],
-        "tokens": [uuid.uuid4()],
-        "results": ["null"],
-        "running": "running",
-    }
+    values = statements.complete_params([statements.Lease(uuid.uuid4(), 1, uuid.uuid4())], ["null"])
     query, ordered = _positional(statements.COMPLETE, values)
     conninfo = url.replace("postgresql+psycopg://", "postgresql://")
     with psycopg.connect(conninfo, autocommit=True, cursor_factory=psycopg.ClientCursor) as conn:
@@ -96,7 +90,7 @@ def test_the_cached_outcome_plan_would_scan_a_grown_table_without_the_worker_set
 def test_the_cached_outcome_plan_probes_indexes_under_the_worker_settings(
     pgtask_engine: Engine, pgtask_database_url: str
 ) -> None:
-    plan = _plan_after_growth(pgtask_engine, pgtask_database_url, _PLANNER_SETTINGS)
+    plan = _plan_after_growth(pgtask_engine, pgtask_database_url, PLANNER_SETTINGS)
     assert "Seq Scan" not in plan, plan
     assert "pk_attempts" in plan, plan
     assert "pk_tasks" in plan, plan

@@ -16,15 +16,10 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from sqlalchemy_pgtask._server import (
-    ServerInfo,
-    ServerNotFound,
-    _find_embedded,
-    _sweep_stale_dirs,
-    provide_server,
-    start_cluster,
-)
-from sqlalchemy_pgtask.errors import InvalidOptionError
+from sqlalchemy_pgtask.errors import InvalidOptionError, ServerNotFound
+from sqlalchemy_pgtask.testing import ServerInfo, provide_server
+from sqlalchemy_pgtask.testing._binaries import find_embedded
+from sqlalchemy_pgtask.testing._cluster import _sweep_stale_dirs, start_cluster
 
 URL_ENV = "PGTASK_TEST_SERVER_URL"
 BACKEND_ENV = "PGTASK_TEST_SERVER_BACKEND"
@@ -258,7 +253,7 @@ def test_server_dies_with_sigkilled_parent(tmp_path: Path) -> None:
         f"""
         import os, time
         import sqlalchemy as sa
-        from sqlalchemy_pgtask._server import provide_server
+        from sqlalchemy_pgtask.testing import provide_server
 
         with provide_server(url_env={URL_ENV!r}, backend_env={BACKEND_ENV!r}) as info:
             engine = sa.create_engine(info.url)
@@ -309,7 +304,7 @@ def test_server_dies_with_sigkilled_parent(tmp_path: Path) -> None:
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root")
 def test_install_unreachable_by_server_account_is_copied(tmp_path: Path) -> None:
     """As root the server runs as another account; a 0700 directory hides the install from it."""
-    bindir, libs_dir = _find_embedded()
+    bindir, libs_dir = find_embedded()
     hidden = tmp_path / "hidden"
     hidden.mkdir(mode=0o700)
     site = bindir.parent.parent.parent

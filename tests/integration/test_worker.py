@@ -226,7 +226,8 @@ async def test_fail_and_non_retryable_exceptions_fail_at_once(
     for row in (failed, rejected):
         assert row["state"] == "failed"
         assert (row["attempt"], row["failed_attempts"]) == (1, 1)
-        assert row["error"]["type"] == "fail"
+    assert failed["error"]["type"] == "fail"
+    assert rejected["error"]["type"] == "non_retryable"
     assert failed["error"]["exception"] == "sqlalchemy_pgtask.control.Fail"
     assert failed["error"]["message"] == "the order was deleted"
     assert rejected["error"]["exception"].endswith("BadInput")
@@ -629,12 +630,13 @@ async def test_a_task_whose_worker_died_is_recovered_after_its_lease_and_run_aga
         [claimed] = (
             await conn.execute(
                 statements.CLAIM,
-                {
-                    "claim_queue": "default", "worker_id": dead_worker, "lease_seconds": 0.5,
-                    "names": ["orphan"], "versions": [1], "retry_kinds": ["never"],
-                    "retry_bases": [None], "retry_factors": [None], "retry_maxes": [None],
-                    "retry_jitters": [False], "limit": 1,
-                },
+                statements.claim_params(
+                    statements.capability_params(
+                        ["default"],
+                        [statements.Capability("default", "orphan", 1, RetryPolicy.never(), 3)],
+                    ),
+                    worker_id=dead_worker, lease_seconds=0.5, limit=1,
+                ),
             )
         ).all()
     assert claimed.id == task_id

@@ -18,10 +18,9 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Connection, Engine, create_engine, text
 
 from sqlalchemy_pgtask import metadata
-from sqlalchemy_pgtask._server import ServerInfo
 from sqlalchemy_pgtask.alembic_env import include_name
 from sqlalchemy_pgtask.migrations import upgrade
-from sqlalchemy_pgtask.testing import create_database, drop_database
+from sqlalchemy_pgtask.testing import ServerInfo, create_database, drop_database
 
 # One catalog fact per row, for every object of schema pgtask except the standalone
 # migrator's version table (which create_all never makes).
@@ -65,10 +64,22 @@ _INDEXES = text("""
 """)
 
 
+_REVISIONS = ("pgtask_0001_initial", "pgtask_0002_runtime_v2")
+
+
 def _documented_triggers() -> set[str]:
-    """The triggers the 0001 revision's docstring promises (``tasks_...`` names)."""
-    revision = importlib.import_module("sqlalchemy_pgtask.migrations.versions.pgtask_0001_initial")
-    return set(re.findall(r"``(tasks_\w+)``", revision.__doc__ or ""))
+    """The triggers the revisions' docstrings promise (``tasks_...``/``queues_...`` names),
+    minus those a later revision says it drops."""
+    documented: set[str] = set()
+    for name in _REVISIONS:
+        revision = importlib.import_module(f"sqlalchemy_pgtask.migrations.versions.{name}")
+        for line in (revision.__doc__ or "").split("\n* "):
+            found = set(re.findall(r"``((?:tasks|queues)_\w+)``", line))
+            if re.search(r"\bis dropped\b", line):
+                documented -= found
+            else:
+                documented |= found
+    return documented
 
 
 def catalog_snapshot(connection: Connection) -> list[str]:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from sqlalchemy_pgtask.migrations import head_revision
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -47,6 +49,7 @@ def test_wheel_ships_the_alembic_template_the_revisions_and_py_typed(wheel: Path
         "sqlalchemy_pgtask/py.typed",
         "sqlalchemy_pgtask/migrations/env.py",
         "sqlalchemy_pgtask/migrations/versions/pgtask_0001_initial.py",
+        "sqlalchemy_pgtask/migrations/versions/pgtask_0002_runtime_v2.py",
     } <= names
     assert not [name for name in names if "__pycache__" in name or name.endswith(".pyc")]
 
@@ -102,7 +105,8 @@ def test_init_alembic_env_works_from_the_installed_wheel(wheel: Path, tmp_path: 
         cwd=project, env=clean_env, capture_output=True, text=True, timeout=120, check=False,
     )
     assert heads.returncode == 0, heads.stdout + heads.stderr
-    assert "Rev: pgtask_0001 (head)" in heads.stdout
+    head = head_revision()
+    assert f"Rev: {head} (head)" in heads.stdout
     assert "Branch names: pgtask" in heads.stdout
     installed_versions = site_packages / "sqlalchemy_pgtask" / "migrations" / "versions"
-    assert f"Path: {installed_versions}{os.sep}pgtask_0001_initial.py" in heads.stdout
+    assert f"Path: {installed_versions}{os.sep}{head}_" in heads.stdout

@@ -7,6 +7,8 @@ same statements do.
 from __future__ import annotations
 
 import re
+import uuid
+from collections.abc import Mapping
 from typing import Any, cast
 
 import pytest
@@ -14,8 +16,7 @@ from sqlalchemy import DateTime
 from sqlalchemy.dialects.postgresql import psycopg
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from sqlalchemy_pgtask import Registry, RetryPolicy, statements
-from sqlalchemy_pgtask.worker import Worker
+from sqlalchemy_pgtask import RetryPolicy, statements
 
 DIALECT = psycopg.dialect()  # type: ignore[no-untyped-call]
 
@@ -32,14 +33,25 @@ WORKER_STATEMENTS = {
     "REGISTER_WORKER": statements.REGISTER_WORKER,
     "HEARTBEAT": statements.HEARTBEAT,
     "RETIRE_WORKER": statements.RETIRE_WORKER,
+    "PRUNE_WORKERS": statements.PRUNE_WORKERS,
+    "LEASES": statements.LEASES,
+    "OWNED": statements.OWNED,
 }
 FENCED = ("RENEW", "COMPLETE", "FAIL", "RELEASE")
-#: What ``Worker._execute_outcomes`` and ``Worker._renew`` bind, per statement.
-FENCED_PARAMETERS = {
-    "RENEW": {"ids", "attempts", "tokens", "running", "lease_seconds"},
-    "COMPLETE": {"ids", "attempts", "tokens", "running", "results"},
-    "FAIL": {"ids", "attempts", "tokens", "running", "errors", "delays"},
-    "RELEASE": {"ids", "attempts", "tokens", "running"},
+LEASES = [statements.Lease(uuid.uuid4(), 1, uuid.uuid4())]
+CAPABILITIES = statements.capability_params(
+    ["default"], [statements.Capability("default", "report", 1, RetryPolicy.fixed(1.0), 5)]
+)
+#: What each builder makes: the parameters the worker binds, and nothing else.
+BUILT: dict[str, Mapping[str, object]] = {
+    "CLAIM": statements.claim_params(
+        CAPABILITIES, worker_id=uuid.uuid4(), lease_seconds=30.0, limit=10
+    ),
+    "SECONDS_UNTIL_DUE": CAPABILITIES,
+    "RENEW": statements.renew_params(LEASES, 30.0),
+    "COMPLETE": statements.complete_params(LEASES, ["1"]),
+    "FAIL": statements.fail_params(LEASES, ["{}"], [1]),
+    "RELEASE": statements.fence_params(LEASES),
 }
 
 
@@ -52,16 +64,22 @@ def sql(name: str) -> str:
 
 
 def required_parameters(name: str) -> dict[str, Any]:
-    """The parameters a caller must bind (internal literals are not among them)."""
+    """The parameters a caller must bind (internal literals and defaults are not among them)."""
     return {
         key: bind.type for key, bind in compiled(name).binds.items() if bind.required
     }
 
 
-def fenced_update_where(name: str) -> list[str]:
-    """The conjuncts of the WHERE clause of the statement's UPDATE of ``pgtask.tasks``."""
-    match = re.search(r"UPDATE pgtask\.tasks SET .*? WHERE (.*?) RETURNING", sql(name))
+def held_cte(name: str) -> str:
+    """The fenced statement's CTE that picks and locks the rows whose lease still holds."""
+    match = re.search(r"held AS \((SELECT .*? SKIP LOCKED)\)", sql(name))
     assert match is not None, sql(name)
+    return match.group(1)
+
+
+def held_where(name: str) -> list[str]:
+    match = re.search(r" WHERE (.*?) FOR NO KEY UPDATE", held_cte(name))
+    assert match is not None
     return [part.strip() for part in match.group(1).split(" AND ")]
 
 
@@ -82,41 +100,65 @@ def test_claim_updates_through_any_array_of_the_picked_ids() -> None:
     assert "pgtask.tasks.id = ANY (array((SELECT picked.id FROM picked)))" in sql("CLAIM")
 
 
-def test_claim_picks_due_tasks_by_priority_then_run_at_within_the_limit() -> None:
+def test_claim_probes_each_served_queue_by_priority_then_run_at_within_the_limit() -> None:
     picked = sql("CLAIM").split("picked AS")[1].split("claimed AS")[0]
-    assert "pgtask.tasks.run_at <= statement_timestamp()" in picked
+    assert "JOIN LATERAL (SELECT" in picked  # one index probe per queue, in one statement
+    assert "pgtask.tasks.queue = served.name" in picked
+    assert "pgtask.tasks.run_at <= pgtask.now()" in picked
     assert re.search(
         r"ORDER BY pgtask\.tasks\.priority DESC, pgtask\.tasks\.run_at, pgtask\.tasks\.id "
+        r"LIMIT %\(limit\)s::INTEGER FOR NO KEY UPDATE SKIP LOCKED",
+        picked,
+    )
+    # Earlier queues of the worker first, then the same order across queues.
+    assert re.search(
+        r"ORDER BY served\.ord, candidate\.priority DESC, candidate\.run_at, candidate\.id "
         r"LIMIT %\(limit\)s",
         picked,
     )
     assert "(pgtask.tasks.name, pgtask.tasks.version) IN (SELECT capabilities.name" in picked
-    assert "pgtask.queues.paused_at IS NOT NULL" in picked
+    assert "WHERE pgtask.tasks.queue = capabilities.queue" in picked
+
+
+def test_claim_skips_paused_queues() -> None:
+    served = sql("CLAIM").split("served AS")[1].split("picked AS")[0]
+    assert "WITH ORDINALITY AS served(name, ord)" in served
+    assert "pgtask.queues.paused_at IS NOT NULL" in served
 
 
 def test_claim_sets_the_lease_expiry_from_database_time() -> None:
     assert re.search(
-        r"lease_expires_at=\(statement_timestamp\(\) \+ make_interval\(0, 0, 0, 0, 0, 0, "
+        r"lease_expires_at=\(pgtask\.now\(\) \+ make_interval\(0, 0, 0, 0, 0, 0, "
         r"%\(lease_seconds\)s\)\)",
         sql("CLAIM"),
     )
 
 
-def test_claim_binds_exactly_what_the_worker_passes() -> None:
-    registry = Registry()
-    registry.task("report", retry=RetryPolicy.fixed(1.0))(lambda ctx, payload: None)
-    worker = Worker(registry, "postgresql+psycopg://nobody@localhost/none")  # no I/O
-    passed = set(worker._claim_parameters("default")) | {"limit"}
-    assert set(required_parameters("CLAIM")) == passed
+def test_claim_fills_an_unset_max_attempts_from_the_capability() -> None:
+    assert "max_attempts=coalesce(pgtask.tasks.max_attempts, capabilities.max_attempts)" in sql(
+        "CLAIM"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(BUILT))
+def test_each_builder_makes_exactly_the_parameters_its_statement_binds(name: str) -> None:
+    assert set(BUILT[name]) == set(required_parameters(name))
 
 
 # -- fenced transitions --------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", FENCED)
+def test_fenced_statements_lock_their_rows_skipping_rows_others_hold(name: str) -> None:
+    held = held_cte(name)
+    assert held.startswith("SELECT pgtask.tasks.id AS id FROM pgtask.tasks JOIN unnest(")
+    assert held.endswith("FOR NO KEY UPDATE OF tasks SKIP LOCKED")
+    assert "pgtask.tasks.id = ANY (array((SELECT held.id FROM held)))" in sql(name)
+
+
+@pytest.mark.parametrize("name", FENCED)
 def test_fenced_statements_match_id_attempt_lease_token_and_a_bound_state(name: str) -> None:
-    where = fenced_update_where(name)
-    assert "pgtask.tasks.id = request.id" in where
+    where = held_where(name)
     assert "pgtask.tasks.attempt = request.attempt" in where
     assert "pgtask.tasks.lease_token = request.token" in where
     # A scalar subquery rather than a plain parameter: not even a custom plan can then match
@@ -147,8 +189,9 @@ def test_fenced_statements_take_each_attempt_from_the_bound_arrays(name: str) ->
 
 
 @pytest.mark.parametrize("name", FENCED)
-def test_fenced_statements_bind_exactly_what_the_worker_passes(name: str) -> None:
-    assert set(required_parameters(name)) == FENCED_PARAMETERS[name]
+def test_the_fence_state_is_a_bound_default_nobody_passes(name: str) -> None:
+    bind = compiled(name).binds["running"]
+    assert (bind.value, bind.required) == ("running", False)
 
 
 @pytest.mark.parametrize("name", ["COMPLETE", "FAIL", "RELEASE"])
@@ -161,7 +204,7 @@ def test_finishing_statements_record_the_attempt_in_the_same_statement(name: str
 def test_renew_extends_the_lease_from_database_time_and_reports_cancellation() -> None:
     text = sql("RENEW")
     assert re.search(
-        r"SET lease_expires_at=\(statement_timestamp\(\) \+ make_interval\(0, 0, 0, 0, 0, 0, "
+        r"SET lease_expires_at=\(pgtask\.now\(\) \+ make_interval\(0, 0, 0, 0, 0, 0, "
         r"%\(lease_seconds\)s\)\)",
         text,
     )
@@ -169,9 +212,7 @@ def test_renew_extends_the_lease_from_database_time_and_reports_cancellation() -
 
 
 def test_fail_schedules_the_retry_from_database_time_plus_the_bound_delay() -> None:
-    assert "statement_timestamp() + make_interval(0, 0, 0, 0, 0, 0, request.delay)" in sql(
-        "FAIL"
-    )
+    assert "pgtask.now() + make_interval(0, 0, 0, 0, 0, 0, request.delay)" in sql("FAIL")
 
 
 # -- recovery ------------------------------------------------------------------------------
@@ -181,7 +222,7 @@ def test_recover_finds_expired_leases_by_database_time_and_skips_locked_rows() -
     text = sql("RECOVER")
     # Recovery is not fenced by a token: it matches the partial lease index on purpose.
     assert "pgtask.tasks.state = 'running' AND pgtask.tasks.lease_expires_at <= " \
-           "statement_timestamp()" in text
+           "pgtask.now()" in text
     assert "FOR NO KEY UPDATE SKIP LOCKED" in text
     assert "pgtask.tasks.id = ANY (array((SELECT expired.id FROM expired)))" in text
     assert set(required_parameters("RECOVER")) == {"limit"}
@@ -197,16 +238,16 @@ def test_worker_statements_take_no_time_from_the_client(name: str) -> None:
         assert not isinstance(type_, DateTime), f"{name} binds a client time as {key!r}"
         assert not key.endswith("_at"), f"{name} binds {key!r}"
         assert "now" not in key
-    text = sql(name).lower()
+    text = sql(name).lower().replace("pgtask.now()", "")
     for clock in ("now()", "current_timestamp", "clock_timestamp", "transaction_timestamp",
-                  "localtimestamp"):
-        assert clock not in text, f"{name} reads {clock}"
+                  "localtimestamp", "statement_timestamp"):
+        assert clock not in text, f"{name} reads {clock} instead of pgtask.now()"
 
 
 @pytest.mark.parametrize(
     "name",
     ["CLAIM", "RENEW", "COMPLETE", "FAIL", "RELEASE", "RECOVER", "CANCEL", "SECONDS_UNTIL_DUE",
-     "REGISTER_WORKER", "HEARTBEAT", "RETIRE_WORKER"],
+     "REGISTER_WORKER", "HEARTBEAT", "RETIRE_WORKER", "PRUNE_WORKERS"],
 )
-def test_statements_that_set_or_compare_deadlines_use_statement_timestamp(name: str) -> None:
-    assert "statement_timestamp()" in sql(name)
+def test_statements_that_set_or_compare_deadlines_use_the_one_database_clock(name: str) -> None:
+    assert "pgtask.now()" in sql(name)

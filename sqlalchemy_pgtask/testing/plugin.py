@@ -1,4 +1,4 @@
-"""testing: a pytest plugin that gives each test its own migrated PostgreSQL database.
+"""testing.plugin: a pytest plugin that gives each test its own migrated PostgreSQL database.
 
 Loaded automatically (entry point ``pytest11``) wherever sqlalchemy-pgtask is installed; its
 fixtures cost nothing until a test asks for one. The server is found or started once per test
@@ -20,33 +20,29 @@ Fixtures:
 * ``pgtask_database_url``: the URL of this test's own migrated database.
 * ``pgtask_engine`` / ``pgtask_async_engine``: engines bound to it, disposed after the test.
 * ``pgtask_empty_database_url``: a database with nothing installed (for migration tests).
+* ``pgtask_clock``: the `DatabaseClock` of this test's database (move time, never sleep).
 
-Helpers for testing handlers end to end: `running_worker` runs a real `Worker` for the body of
-an ``async with``; `drain` runs one until the given queues have no due or running work left.
+The helpers these fixtures pair with (`running_worker`, `drain`, `wait_until`, the database
+clock) live in ``sqlalchemy_pgtask.testing`` and need no pytest.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, create_engine, func, make_url, or_, select, tuple_
+from sqlalchemy import Engine, create_engine, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from sqlalchemy_pgtask._server import (
+from sqlalchemy_pgtask.migrations import upgrade
+from sqlalchemy_pgtask.testing._clock import DatabaseClock
+from sqlalchemy_pgtask.testing._server import (
     ServerInfo,
     create_database,
     drop_database,
     provide_server,
 )
-from sqlalchemy_pgtask.migrations import upgrade
-from sqlalchemy_pgtask.models import Task
-from sqlalchemy_pgtask.registry import Registry
-from sqlalchemy_pgtask.worker import Worker, WorkerOptions
 
 try:  # pytest-asyncio's strict mode only runs async fixtures declared through it
     import pytest_asyncio
@@ -56,16 +52,13 @@ except ImportError:  # pragma: no cover - async fixtures then need another async
     _async_fixture = pytest.fixture
 
 __all__ = [
-    "create_database",
-    "drain",
-    "drop_database",
     "pgtask_async_engine",
+    "pgtask_clock",
     "pgtask_database_url",
     "pgtask_empty_database_url",
     "pgtask_engine",
     "pgtask_server",
     "pgtask_template_database",
-    "running_worker",
 ]
 
 URL_ENV = "PGTASK_TEST_DATABASE_URL"
@@ -134,68 +127,7 @@ pgtask_async_engine: Callable[..., AsyncIterator[AsyncEngine]] = _async_fixture(
 )
 
 
-@asynccontextmanager
-async def running_worker(
-    registry: Registry,
-    database: str | AsyncEngine,
-    options: WorkerOptions | None = None,
-    *,
-    startup_timeout: float = 30.0,
-) -> AsyncIterator[Worker]:
-    """Run a real `Worker` while the ``async with`` body runs; shut it down gracefully after."""
-    worker = Worker(registry, database, options)
-    runner = asyncio.create_task(worker.run())
-    try:
-        ready = asyncio.create_task(worker.wait_until_ready())
-        await asyncio.wait({ready, runner}, timeout=startup_timeout,
-                           return_when=asyncio.FIRST_COMPLETED)
-        if runner.done():
-            ready.cancel()
-            runner.result()  # raises the worker's startup error
-            raise RuntimeError("the worker stopped during startup")
-        if not ready.done():
-            ready.cancel()
-            raise TimeoutError(f"the worker was not ready within {startup_timeout} s")
-        yield worker
-    finally:
-        worker.shutdown()
-        await runner
-
-
-async def drain(
-    registry: Registry,
-    database_url: str,
-    options: WorkerOptions | None = None,
-    *,
-    timeout: float = 30.0,
-) -> None:
-    """Run a worker until its queues have no due pending task and nothing running.
-
-    Tasks scheduled in the future, and tasks no registered handler can run, are left alone.
-    """
-    engine = create_engine(database_url)
-    try:
-        async with running_worker(registry, database_url, options) as worker:
-            deadline = time.monotonic() + timeout
-            while True:
-                with engine.connect() as connection:
-                    left = connection.execute(
-                        select(func.count()).select_from(Task).where(
-                            Task.queue.in_(worker.queues),
-                            or_(
-                                Task.state == "running",
-                                (Task.state == "pending")
-                                & (Task.run_at <= func.statement_timestamp())
-                                & tuple_(Task.queue, Task.name, Task.version).in_(
-                                    [(d.queue, d.name, d.version) for d in registry]
-                                ),
-                            ),
-                        )
-                    ).scalar_one()
-                if not left and not worker.active_count:
-                    return
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{left} task(s) still due or running after {timeout} s")
-                await asyncio.sleep(0.02)  # poll with a deadline
-    finally:
-        engine.dispose()
+@pytest.fixture
+def pgtask_clock(pgtask_engine: Engine) -> DatabaseClock:
+    """The database clock (``pgtask.now()``) of this test's database: ``advance(seconds)``."""
+    return DatabaseClock(pgtask_engine)

@@ -1,0 +1,119 @@
+"""statements: SQLAlchemy Core builders for every write to the pgtask tables; performs no I/O.
+
+Each statement is built once at import and executed with plain parameter dictionaries, so
+SQLAlchemy's compiled cache serves every later call. Each docstring says which rows the
+statement locks, which index serves it and what it returns. Deadlines always come from
+database time (`NOW`, ``pgtask.now()``), never from the client's clock. Statements that take
+more than a few parameters come with a typed builder of exactly those parameters.
+
+By responsibility: `enqueue` (adding tasks), `lease` (claims, renewals, outcomes, recovery),
+`workers` (registration, heartbeats, policies, pruning), `admin` (cancellation, checks).
+"""
+
+from __future__ import annotations
+
+from sqlalchemy_pgtask.statements._common import NOW, Lease
+from sqlalchemy_pgtask.statements.admin import CANCEL, SCHEMA_INSTALLED
+from sqlalchemy_pgtask.statements.enqueue import (
+    DEFAULT_IDEMPOTENCY_RETENTION_SECONDS,
+    ENQUEUE_BATCH,
+    ENQUEUE_BATCH_IDEMPOTENT,
+    ENQUEUE_ONE,
+    ENQUEUE_UNIFORM,
+    TAKE_OVER_KEYS,
+    key_expired,
+)
+from sqlalchemy_pgtask.statements.lease import (
+    CLAIM,
+    CLAIMED_COLUMNS,
+    COMPLETE,
+    FAIL,
+    LEASES,
+    OWNED,
+    RECOVER,
+    RELEASE,
+    RENEW,
+    SECONDS_UNTIL_DUE,
+    Capability,
+    CapabilityParams,
+    ClaimParams,
+    CompleteParams,
+    FailParams,
+    FenceParams,
+    RenewParams,
+    capability_params,
+    claim_params,
+    complete_params,
+    fail_params,
+    fence_params,
+    renew_params,
+)
+from sqlalchemy_pgtask.statements.workers import (
+    ADD_CAPABILITIES,
+    CLEAR_CAPABILITIES,
+    HEARTBEAT,
+    POLICY_COLUMNS,
+    PRUNE_WORKERS,
+    REGISTER_POLICIES,
+    REGISTER_WORKER,
+    RETIRE_WORKER,
+    STORED_POLICIES,
+    HeartbeatParams,
+    IdentityParams,
+    PolicyParams,
+    RegisterParams,
+    identity_params,
+    policy_params,
+)
+
+__all__ = [
+    "ADD_CAPABILITIES",
+    "CANCEL",
+    "CLAIM",
+    "CLAIMED_COLUMNS",
+    "CLEAR_CAPABILITIES",
+    "COMPLETE",
+    "DEFAULT_IDEMPOTENCY_RETENTION_SECONDS",
+    "ENQUEUE_BATCH",
+    "ENQUEUE_BATCH_IDEMPOTENT",
+    "ENQUEUE_ONE",
+    "ENQUEUE_UNIFORM",
+    "FAIL",
+    "HEARTBEAT",
+    "LEASES",
+    "NOW",
+    "OWNED",
+    "POLICY_COLUMNS",
+    "PRUNE_WORKERS",
+    "RECOVER",
+    "REGISTER_POLICIES",
+    "REGISTER_WORKER",
+    "RELEASE",
+    "RENEW",
+    "RETIRE_WORKER",
+    "SCHEMA_INSTALLED",
+    "SECONDS_UNTIL_DUE",
+    "STORED_POLICIES",
+    "TAKE_OVER_KEYS",
+    "Capability",
+    "CapabilityParams",
+    "ClaimParams",
+    "CompleteParams",
+    "FailParams",
+    "FenceParams",
+    "HeartbeatParams",
+    "IdentityParams",
+    "Lease",
+    "PolicyParams",
+    "RegisterParams",
+    "RenewParams",
+    "capability_params",
+    "claim_params",
+    "complete_params",
+    "fail_params",
+    "fence_params",
+    "identity_params",
+    "key_expired",
+    "policy_params",
+    "renew_params",
+]

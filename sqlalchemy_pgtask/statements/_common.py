@@ -1,0 +1,89 @@
+"""statements._common: the tables, database time and the lease-request rows every statement shares.
+
+Private to the statements package; performs no I/O.
+"""
+
+from __future__ import annotations
+
+import typing
+import uuid
+from typing import Any, Final, NamedTuple
+
+from sqlalchemy import (
+    ColumnElement,
+    Table,
+    TableValuedAlias,
+    bindparam,
+    column,
+    func,
+    literal_column,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, TIMESTAMP, UUID
+from sqlalchemy.types import TypeEngine
+
+from sqlalchemy_pgtask.models import (
+    Attempt,
+    HandlerPolicy,
+    IdempotencyKey,
+    Queue,
+    Task,
+    WorkerCapability,
+    WorkerRecord,
+)
+
+__all__ = [
+    "NOW",
+    "TSTZ",
+    "UUID_T",
+    "Lease",
+    "arrays",
+    "attempts",
+    "capabilities",
+    "keys",
+    "policies",
+    "queues",
+    "seconds",
+    "tasks",
+    "workers",
+]
+
+# Declarative tables are typed as FromClause; these are plain Tables.
+tasks = typing.cast(Table, Task.__table__)
+attempts = typing.cast(Table, Attempt.__table__)
+keys = typing.cast(Table, IdempotencyKey.__table__)
+queues = typing.cast(Table, Queue.__table__)
+workers = typing.cast(Table, WorkerRecord.__table__)
+capabilities = typing.cast(Table, WorkerCapability.__table__)
+policies = typing.cast(Table, HandlerPolicy.__table__)
+
+TSTZ: Final = TIMESTAMP(timezone=True)
+UUID_T: Final = UUID(as_uuid=True)
+
+#: Database time, the one clock of every deadline: ``pgtask.now()`` is ``statement_timestamp()``
+#: (inlined by the planner, so it costs nothing), and tests replace its body to move the clock
+#: of the whole database at once (``sqlalchemy_pgtask.testing.move_database_clock``).
+NOW: Final[ColumnElement[Any]] = func.pgtask.now(type_=TSTZ)
+
+
+class Lease(NamedTuple):
+    """What fences every write of a running attempt: the task, its attempt number and token."""
+
+    task_id: uuid.UUID
+    attempt: int
+    token: uuid.UUID
+
+
+def seconds(value: ColumnElement[Any]) -> ColumnElement[Any]:
+    """An interval of ``value`` seconds (``make_interval``'s positional form has no binds)."""
+    return func.make_interval(*([literal_column("0")] * 6), value)
+
+
+def arrays(
+    name: str, *columns: tuple[str, str, TypeEngine[Any]]
+) -> TableValuedAlias:
+    """Parallel array parameters ``(param, column, type)`` as the rows of ``unnest``."""
+    return (
+        func.unnest(*(bindparam(param, type_=ARRAY(type_)) for param, _, type_ in columns))
+        .table_valued(*(column(col, type_) for _, col, type_ in columns))
+        .render_derived(name)
+    )

@@ -1,0 +1,592 @@
+"""statements.lease: claims, renewals, outcomes, recovery, and their parameter contracts; no I/O.
+
+Every statement a running attempt causes is fenced by (id, state, attempt, lease token), and
+takes its rows with ``FOR NO KEY UPDATE SKIP LOCKED``: a row that somebody else holds locked
+(``cancel()`` inside a long business transaction, say) is skipped and reported as not written,
+never waited for. The caller tells a skipped row from a lost lease by reading `LEASES`.
+
+The fence state is not a literal ``'running'``: that would match the partial lease index, and
+the plan would then walk every running row (and every dead entry not yet vacuumed) for each row
+of the batch. It is a bound value (default ``'running'``, so callers never pass it) read through
+a scalar subquery, which not even a custom plan can match to the index predicate.
+
+Each statement comes with a builder of its parameters; the worker binds nothing else, and the
+contract test compares the builders with the statements' bind names.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any, Final, NamedTuple, TypedDict
+
+from sqlalchemy import (
+    CTE,
+    Boolean,
+    ColumnElement,
+    Double,
+    Integer,
+    Select,
+    TableValuedAlias,
+    Text,
+    and_,
+    any_,
+    bindparam,
+    case,
+    cast,
+    func,
+    insert,
+    literal_column,
+    null,
+    select,
+    true,
+    tuple_,
+    update,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+
+from sqlalchemy_pgtask.retry import PolicyArrays, RetryPolicy
+from sqlalchemy_pgtask.statements._common import (
+    NOW,
+    UUID_T,
+    Lease,
+    arrays,
+    attempts,
+    queues,
+    seconds,
+    tasks,
+)
+from sqlalchemy_pgtask.states import RUNNING
+
+__all__ = [
+    "CLAIM",
+    "CLAIMED_COLUMNS",
+    "COMPLETE",
+    "FAIL",
+    "LEASES",
+    "OWNED",
+    "RECOVER",
+    "RELEASE",
+    "RENEW",
+    "SECONDS_UNTIL_DUE",
+    "Capability",
+    "CapabilityParams",
+    "ClaimParams",
+    "CompleteParams",
+    "FailParams",
+    "FenceParams",
+    "RenewParams",
+    "capability_params",
+    "claim_params",
+    "complete_params",
+    "fail_params",
+    "fence_params",
+    "renew_params",
+]
+
+_CANCELLED_ERROR: Final = cast(literal_column("""'{"type": "cancelled"}'"""), JSONB)
+_EXPIRED_ERROR: Final = cast(literal_column("""'{"type": "lease_expired"}'"""), JSONB)
+
+
+# -- parameter contracts -------------------------------------------------------------------
+
+
+class Capability(NamedTuple):
+    """A handler a worker can run: its identity, retry policy and default attempt budget."""
+
+    queue: str
+    name: str
+    version: int
+    retry: RetryPolicy
+    max_attempts: int
+
+
+class CapabilityParams(PolicyArrays):
+    """A worker's capabilities as parallel arrays, in the worker's queue order."""
+
+    queues: list[str]
+    cap_queues: list[str]
+    cap_names: list[str]
+    cap_versions: list[int]
+    cap_max_attempts: list[int]
+
+
+class ClaimParams(CapabilityParams):
+    worker_id: uuid.UUID
+    lease_seconds: float
+    limit: int
+
+
+class FenceParams(TypedDict):
+    """A batch of leases: the fence of every write a running attempt makes."""
+
+    ids: list[uuid.UUID]
+    attempts: list[int]
+    tokens: list[uuid.UUID]
+
+
+class RenewParams(FenceParams):
+    lease_seconds: float
+
+
+class CompleteParams(FenceParams):
+    results: list[str]
+
+
+class FailParams(FenceParams):
+    errors: list[str]
+    delays: list[float | None]
+
+
+def capability_params(queue_order: Sequence[str], served: Sequence[Capability]) -> CapabilityParams:
+    """``served`` as the arrays `CLAIM` and `SECONDS_UNTIL_DUE` bind; ``queue_order`` first."""
+    return {
+        "queues": list(queue_order),
+        "cap_queues": [c.queue for c in served],
+        "cap_names": [c.name for c in served],
+        "cap_versions": [c.version for c in served],
+        "cap_max_attempts": [c.max_attempts for c in served],
+        **RetryPolicy.as_arrays([c.retry for c in served]),
+    }
+
+
+def claim_params(
+    capabilities: CapabilityParams, *, worker_id: uuid.UUID, lease_seconds: float, limit: int
+) -> ClaimParams:
+    return {
+        **capabilities,
+        "worker_id": worker_id,
+        "lease_seconds": float(lease_seconds),
+        "limit": limit,
+    }
+
+
+def fence_params(leases: Sequence[Lease]) -> FenceParams:
+    return {
+        "ids": [lease.task_id for lease in leases],
+        "attempts": [lease.attempt for lease in leases],
+        "tokens": [lease.token for lease in leases],
+    }
+
+
+def renew_params(leases: Sequence[Lease], lease_seconds: float) -> RenewParams:
+    return {**fence_params(leases), "lease_seconds": float(lease_seconds)}
+
+
+def complete_params(leases: Sequence[Lease], results: Sequence[str]) -> CompleteParams:
+    return {**fence_params(leases), "results": list(results)}
+
+
+def fail_params(
+    leases: Sequence[Lease], errors: Sequence[str], delays: Sequence[float | None]
+) -> FailParams:
+    # One element type for the whole array: a mix of int and float fails to bind.
+    return {
+        **fence_params(leases),
+        "errors": list(errors),
+        "delays": [None if d is None else float(d) for d in delays],
+    }
+
+
+# -- claim ---------------------------------------------------------------------------------
+
+
+def _pending() -> ColumnElement[bool]:
+    # A literal so the planner can match the partial claim index in a generic plan.
+    return tasks.c.state == literal_column("'pending'")
+
+
+def _capabilities() -> CTE:
+    rows = arrays(
+        "capability",
+        ("cap_queues", "queue", Text()),
+        ("cap_names", "name", Text()),
+        ("cap_versions", "version", Integer()),
+        ("cap_max_attempts", "max_attempts", Integer()),
+        ("retry_kinds", "retry_kind", Text()),
+        ("retry_bases", "retry_base_seconds", Double()),
+        ("retry_factors", "retry_factor", Double()),
+        ("retry_maxes", "retry_max_seconds", Double()),
+        ("retry_jitters", "retry_jitter", Boolean()),
+    )
+    return select(rows).cte("capabilities")
+
+
+def _served() -> CTE:
+    """The worker's queues in its order, without the paused ones."""
+    order = (
+        func.unnest(bindparam("queues", type_=ARRAY(Text)))
+        .table_valued("name", with_ordinality="ord")
+        .render_derived("served")
+    )
+    paused = (
+        select(queues.c.name)
+        .where(queues.c.name == order.c.name, queues.c.paused_at.is_not(None))
+        .exists()
+    )
+    return select(order.c.name, order.c.ord).where(~paused).cte("served")
+
+
+def _capable(capabilities: CTE) -> ColumnElement[bool]:
+    return tuple_(tasks.c.name, tasks.c.version).in_(
+        select(capabilities.c.name, capabilities.c.version).where(
+            capabilities.c.queue == tasks.c.queue
+        )
+    )
+
+
+CLAIMED_COLUMNS: Final = (
+    "id", "queue", "name", "version", "payload", "headers", "priority", "attempt",
+    "failed_attempts", "max_attempts", "lease_token", "cancel_requested_at", "retry_kind",
+    "retry_base_seconds", "retry_factor", "retry_max_seconds", "retry_jitter",
+)
+
+
+def _claim() -> Select[Any]:
+    capabilities = _capabilities()
+    served = _served()
+    limit = bindparam("limit", type_=Integer)
+    per_queue = (
+        select(tasks.c.id, tasks.c.priority, tasks.c.run_at)
+        .where(
+            _pending(),
+            tasks.c.queue == served.c.name,
+            tasks.c.run_at <= NOW,
+            _capable(capabilities),
+        )
+        .order_by(tasks.c.priority.desc(), tasks.c.run_at, tasks.c.id)
+        .limit(limit)
+        .with_for_update(skip_locked=True, key_share=True)  # FOR NO KEY UPDATE SKIP LOCKED
+        .lateral("candidate")
+    )
+    picked = (
+        select(per_queue.c.id)
+        .select_from(served.join(per_queue, true()))
+        .order_by(served.c.ord, per_queue.c.priority.desc(), per_queue.c.run_at, per_queue.c.id)
+        .limit(limit)
+        .cte("picked")
+    )
+    unset = tasks.c.retry_kind.is_(None)
+    snapshot: dict[str, ColumnElement[Any]] = {
+        name: case((unset, capabilities.c[name]), else_=tasks.c[name])
+        for name in (
+            "retry_kind", "retry_base_seconds", "retry_factor", "retry_max_seconds",
+            "retry_jitter",
+        )
+    }
+    snapshot["max_attempts"] = func.coalesce(tasks.c.max_attempts, capabilities.c.max_attempts)
+    worker_id = bindparam("worker_id", type_=UUID_T)
+    claimed = (
+        update(tasks)
+        .where(
+            # ANY(ARRAY(subquery)) always probes the primary key; a join to the CTE may get a
+            # generic plan that ignores the LIMIT and scans the whole table.
+            tasks.c.id == any_(func.array(select(picked.c.id).scalar_subquery())),
+            capabilities.c.queue == tasks.c.queue,
+            capabilities.c.name == tasks.c.name,
+            capabilities.c.version == tasks.c.version,
+        )
+        .values(
+            state=RUNNING,
+            attempt=tasks.c.attempt + 1,
+            lease_token=func.gen_random_uuid(),
+            lease_owner=worker_id,
+            lease_expires_at=NOW + seconds(bindparam("lease_seconds", type_=Double)),
+            updated_at=NOW,
+            **snapshot,
+        )
+        .returning(*(tasks.c[name] for name in CLAIMED_COLUMNS))
+        .cte("claimed")
+    )
+    recorded = insert(attempts).from_select(
+        ["task_id", "attempt", "lease_token", "worker_id", "started_at"],
+        select(claimed.c.id, claimed.c.attempt, claimed.c.lease_token, worker_id, NOW),
+    ).cte("recorded")
+    return (
+        select(*(claimed.c[name] for name in CLAIMED_COLUMNS))
+        .add_cte(recorded)
+        .order_by(claimed.c.priority.desc(), claimed.c.id)
+    )
+
+
+#: Claims up to ``limit`` due pending tasks across the worker's ``queues`` in one statement:
+#: earlier queues first, then highest priority, then oldest ``run_at``; only (queue, name,
+#: version) among the worker's capabilities; nothing from a paused queue. Each queue is read
+#: through ``ix_tasks_claim`` (a LATERAL probe), and the picked rows are locked ``FOR NO KEY
+#: UPDATE SKIP LOCKED`` so concurrent claimers skip each other's rows. Sets running, attempt +
+#: 1, a fresh lease token and an expiry of database time + ``lease_seconds``; snapshots the
+#: retry policy and fills a missing ``max_attempts`` from the capability on first claim;
+#: inserts one ``attempts`` row each. Returns `CLAIMED_COLUMNS` of the claimed tasks.
+CLAIM: Final = _claim()
+
+
+def _seconds_until_due() -> Select[Any]:
+    capabilities = _capabilities()
+    served = _served()
+    earliest = (
+        select(tasks.c.run_at)
+        .where(_pending(), tasks.c.queue == served.c.name, _capable(capabilities))
+        .order_by(tasks.c.run_at)
+        .limit(1)
+        .lateral("earliest")
+    )
+    upcoming = select(func.min(earliest.c.run_at)).select_from(served.join(earliest, true()))
+    return select(func.extract("epoch", upcoming.scalar_subquery() - NOW))
+
+
+#: Seconds (database time) until the earliest pending task the worker could claim falls due:
+#: zero or less when one is due already (a claim that raced with it, or a row another
+#: transaction held locked), NULL when there is none, so an idle worker sleeps until its poll
+#: interval instead of spinning. One ``ORDER BY run_at LIMIT 1`` probe of
+#: ``ix_tasks_pending_run_at`` per served, unpaused queue. Locks nothing. Binds the
+#: `CapabilityParams`.
+SECONDS_UNTIL_DUE: Final = _seconds_until_due()
+
+
+# -- fenced transitions --------------------------------------------------------------------
+
+
+def _requests(*extra: tuple[str, str, Any]) -> TableValuedAlias:
+    return arrays(
+        "request",
+        ("ids", "id", UUID_T),
+        ("attempts", "attempt", Integer()),
+        ("tokens", "token", UUID_T),
+        *extra,
+    )
+
+
+def _ids() -> ColumnElement[Any]:
+    return bindparam("ids", type_=ARRAY(UUID_T))
+
+
+def _held(request: TableValuedAlias) -> CTE:
+    """The requested rows whose lease still holds, locked; rows locked by others are skipped."""
+    return (
+        select(tasks.c.id)
+        .select_from(tasks.join(request, tasks.c.id == request.c.id))
+        .where(
+            tasks.c.id == any_(_ids()),
+            tasks.c.state == select(bindparam("running", RUNNING, type_=Text)).scalar_subquery(),
+            tasks.c.attempt == request.c.attempt,
+            tasks.c.lease_token == request.c.token,
+        )
+        .with_for_update(skip_locked=True, key_share=True, of=tasks)
+        .cte("held")
+    )
+
+
+def _in_held(held: CTE, request: TableValuedAlias) -> list[ColumnElement[bool]]:
+    return [
+        tasks.c.id == any_(func.array(select(held.c.id).scalar_subquery())),
+        tasks.c.id == request.c.id,
+    ]
+
+
+def _renew() -> Any:
+    request = _requests()
+    return (
+        update(tasks)
+        .where(*_in_held(_held(request), request))
+        .values(lease_expires_at=NOW + seconds(bindparam("lease_seconds", type_=Double)))
+        .returning(tasks.c.id, tasks.c.cancel_requested_at.is_not(None).label("cancel"))
+    )
+
+
+#: Extends the leases of many attempts by ``lease_seconds`` of database time. Fenced; locks the
+#: matching rows through the primary key and skips rows others hold locked. Returns ``(id,
+#: cancel)`` for each lease extended (``cancel``: someone requested cancellation); a missing id
+#: lost its lease, or was skipped (`LEASES` tells which). Binds `RenewParams`.
+RENEW: Final = _renew()
+
+
+def _finish(
+    request: TableValuedAlias,
+    state: ColumnElement[Any],
+    values: dict[str, Any],
+    *,
+    release: bool = False,
+) -> Select[Any]:
+    """A fenced transition out of running, recorded on the task and on its attempt row.
+
+    A task back to pending records its attempt as failed, or, for a ``release``, as released
+    with no error (the task keeps the error of an earlier failure; the release is not one).
+    """
+    done = (
+        update(tasks)
+        .where(*_in_held(_held(request), request))
+        .values(
+            state=state,
+            lease_token=None,
+            lease_owner=None,
+            lease_expires_at=None,
+            updated_at=NOW,
+            **values,
+        )
+        .returning(tasks.c.id, tasks.c.attempt, tasks.c.state, tasks.c.error)
+        .cte("done")
+    )
+    back = done.c.state == literal_column("'pending'")
+    attempt_state = case(
+        (back, literal_column("'released'" if release else "'failed'")), else_=done.c.state
+    )
+    attempt_error = case((back, null()), else_=done.c.error) if release else done.c.error
+    recorded = (
+        update(attempts)
+        .where(
+            # Redundant with the join, but lets even a generic plan probe the primary key.
+            attempts.c.task_id == any_(_ids()),
+            attempts.c.task_id == done.c.id,
+            attempts.c.attempt == done.c.attempt,
+        )
+        .values(state=attempt_state, finished_at=NOW, error=attempt_error)
+        .cte("recorded")
+    )
+    return select(done.c.id, done.c.state).add_cte(recorded)
+
+
+def _complete() -> Select[Any]:
+    request = _requests(("results", "result", Text()))
+    go_on = tasks.c.cancel_requested_at.is_(None)
+    return _finish(
+        request,
+        case((go_on, literal_column("'succeeded'")), else_=literal_column("'cancelled'")),
+        {
+            "result": case((go_on, cast(request.c.result, JSONB)), else_=null()),
+            "error": case((go_on, null()), else_=_CANCELLED_ERROR),
+            "completed_at": NOW,
+        },
+    )
+
+
+#: Marks many attempts succeeded with their JSON results. Fenced; locks the matching task rows
+#: (skipping rows others hold) and their attempt rows through primary keys. A task whose
+#: cancellation was requested ends cancelled instead: a success that arrives after a cancel
+#: request is not recorded. Returns ``(id, state)`` for each write made; a missing id lost its
+#: lease or was skipped. Binds `CompleteParams`.
+COMPLETE: Final = _complete()
+
+
+def _fail() -> Select[Any]:
+    request = _requests(("errors", "error", Text()), ("delays", "delay", Double()))
+    cancel = tasks.c.cancel_requested_at.is_not(None)
+    retry = and_(
+        request.c.delay.is_not(None), tasks.c.failed_attempts + 1 < tasks.c.max_attempts
+    )
+    state = case(
+        (cancel, literal_column("'cancelled'")),
+        (retry, literal_column("'pending'")),
+        else_=literal_column("'failed'"),
+    )
+    return _finish(
+        request,
+        state,
+        {
+            "failed_attempts": tasks.c.failed_attempts + case((cancel, 0), else_=1),
+            "error": case((cancel, _CANCELLED_ERROR), else_=cast(request.c.error, JSONB)),
+            "result": null(),
+            "run_at": case(
+                (and_(~cancel, retry), NOW + seconds(request.c.delay)), else_=tasks.c.run_at
+            ),
+            "completed_at": case((and_(~cancel, retry), null()), else_=NOW),
+        },
+    )
+
+
+#: Records failed attempts. Each gets its structured error; with a ``delay`` (seconds) and
+#: attempts left it goes back to pending at database time + delay, otherwise it fails for good
+#: (``delay`` NULL means do not retry). A cancel request wins over both. Fenced like
+#: `COMPLETE`. Returns ``(id, state)`` per write made. Binds `FailParams`.
+FAIL: Final = _fail()
+
+
+def _release() -> Select[Any]:
+    cancel = tasks.c.cancel_requested_at.is_not(None)
+    return _finish(
+        _requests(),
+        case((cancel, literal_column("'cancelled'")), else_=literal_column("'pending'")),
+        {
+            "run_at": NOW,
+            "error": case((cancel, _CANCELLED_ERROR), else_=tasks.c.error),
+            "completed_at": case((cancel, NOW), else_=null()),
+        },
+        release=True,
+    )
+
+
+#: Hands attempts back (shutdown, a lease about to expire, a claim whose outcome was unknown):
+#: pending again at once, and the attempt is recorded as ``released`` without counting as a
+#: failure. Fenced like `COMPLETE`. Returns ``(id, state)`` per release. Binds `FenceParams`.
+RELEASE: Final = _release()
+
+
+# -- recovery and reads --------------------------------------------------------------------
+
+
+def _recover() -> Select[Any]:
+    expired = (
+        select(tasks.c.id)
+        .where(tasks.c.state == literal_column("'running'"), tasks.c.lease_expires_at <= NOW)
+        .order_by(tasks.c.lease_expires_at, tasks.c.id)
+        .limit(bindparam("limit", type_=Integer))
+        .with_for_update(skip_locked=True, key_share=True)
+        .cte("expired")
+    )
+    cancel = tasks.c.cancel_requested_at.is_not(None)
+    retry = tasks.c.failed_attempts + 1 < tasks.c.max_attempts
+    state = case(
+        (cancel, literal_column("'cancelled'")),
+        (retry, literal_column("'pending'")),
+        else_=literal_column("'failed'"),
+    )
+    done = (
+        update(tasks)
+        .where(tasks.c.id == any_(func.array(select(expired.c.id).scalar_subquery())))
+        .values(
+            state=state,
+            failed_attempts=tasks.c.failed_attempts + case((cancel, 0), else_=1),
+            error=case((cancel, _CANCELLED_ERROR), else_=_EXPIRED_ERROR),
+            run_at=NOW,
+            completed_at=case((and_(~cancel, retry), null()), else_=NOW),
+            lease_token=None,
+            lease_owner=None,
+            lease_expires_at=None,
+            updated_at=NOW,
+        )
+        .returning(tasks.c.id, tasks.c.attempt, tasks.c.state)
+        .cte("done")
+    )
+    recorded = (
+        update(attempts)
+        .where(
+            attempts.c.task_id == any_(func.array(select(done.c.id).scalar_subquery())),
+            attempts.c.task_id == done.c.id,
+            attempts.c.attempt == done.c.attempt,
+        )
+        .values(state="lost", finished_at=NOW, error=_EXPIRED_ERROR)
+        .cte("recorded")
+    )
+    return select(done.c.id, done.c.state).add_cte(recorded)
+
+
+#: Recovers up to ``limit`` running tasks whose lease expired (their worker died or stalled):
+#: pending again at once while attempts remain (the lost attempt counts as failed), failed
+#: otherwise, cancelled if cancellation was requested. Locks the expired rows with ``SKIP
+#: LOCKED`` so recoverers never wait on each other; served by ``ix_tasks_lease_expiry``. Returns
+#: ``(id, state)`` per recovered task.
+RECOVER: Final = _recover()
+
+#: The authoritative lease state of some tasks, read when a write's outcome is unknown (the
+#: connection broke around its commit) or a fenced write skipped a locked row. Locks nothing.
+#: Binds ``ids``.
+LEASES: Final = select(tasks.c.id, tasks.c.state, tasks.c.attempt, tasks.c.lease_token).where(
+    tasks.c.id == any_(_ids())
+)
+
+#: The leases a worker holds, ``(id, attempt, lease_token)``: after a claim whose outcome was
+#: unknown, the ones it does not know about were claimed and must be handed back. Reads the
+#: running rows through ``ix_tasks_lease_expiry``; locks nothing. Binds ``worker_id``.
+OWNED: Final = select(tasks.c.id, tasks.c.attempt, tasks.c.lease_token).where(
+    tasks.c.state == literal_column("'running'"),
+    tasks.c.lease_owner == bindparam("worker_id", type_=UUID_T),
+)

@@ -1,0 +1,90 @@
+"""worker._attempts: the attempts a worker holds, from claim until their outcome is written.
+
+The book is the one piece of state the producer, executor, completer and lease keeper share.
+An attempt occupies a *slot* while its handler runs (at most ``concurrency``), and stays
+*active* until its outcome is written (so its lease keeps being renewed); at most another
+``concurrency`` finished attempts may wait for the writer, which is the claim loop's
+back-pressure on a slow database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy_pgtask.context import TaskContext
+from sqlalchemy_pgtask.registry import TaskDefinition
+from sqlalchemy_pgtask.retry import RetryPolicy
+from sqlalchemy_pgtask.statements import Lease
+
+__all__ = ["ActiveAttempt", "AttemptBook"]
+
+
+@dataclass(eq=False)
+class ActiveAttempt:
+    """One claimed attempt."""
+
+    ctx: TaskContext
+    definition: TaskDefinition[Any, Any]
+    payload: Any
+    lease: Lease
+    policy: RetryPolicy
+    #: Monotonic time the last claim or renewal that extended this lease was *sent*: the
+    #: database's expiry is at least this plus the lease duration.
+    lease_sent_at: float
+    started_at: float = field(default_factory=time.monotonic)
+    handle: asyncio.Task[None] | None = None
+    #: The handler has finished (its outcome is queued or written): it holds no slot.
+    settled: bool = False
+    #: The worker cancelled the handler's coroutine itself.
+    stopped_by_worker: bool = False
+
+    @property
+    def task_id(self) -> uuid.UUID:
+        return self.lease.task_id
+
+
+class AttemptBook:
+    """Active attempts by task id, the slots in use, and the events that announce changes."""
+
+    def __init__(self, concurrency: int) -> None:
+        self.concurrency = concurrency
+        self.active: dict[uuid.UUID, ActiveAttempt] = {}
+        #: Attempts whose handler has not finished: the slots in use.
+        self.unsettled = 0
+        #: Set whenever a slot or an active entry frees up.
+        self.changed = asyncio.Event()
+
+    def free_slots(self) -> int:
+        return min(
+            self.concurrency - self.unsettled, 2 * self.concurrency - len(self.active)
+        )
+
+    def add(self, attempt: ActiveAttempt) -> None:
+        self.active[attempt.task_id] = attempt
+        self.unsettled += 1
+
+    def settle(self, attempt: ActiveAttempt) -> None:
+        """The handler finished: its slot is free; its outcome still has to be written."""
+        if not attempt.settled:
+            attempt.settled = True
+            self.unsettled -= 1
+            self.changed.set()
+
+    def forget(self, attempt: ActiveAttempt) -> None:
+        """The outcome is written (or cannot be): stop renewing the lease."""
+        self.settle(attempt)
+        if self.active.get(attempt.task_id) is attempt:
+            del self.active[attempt.task_id]
+            self.changed.set()
+
+    def holds(self, lease: Lease) -> bool:
+        attempt = self.active.get(lease.task_id)
+        return attempt is not None and attempt.lease == lease
+
+    def running(self) -> list[ActiveAttempt]:
+        """Attempts whose handler still runs."""
+        return [a for a in self.active.values() if not a.settled]

@@ -1,0 +1,174 @@
+"""worker._completer: writes outcomes in batches, one fenced statement per kind; never loses one.
+
+An outcome leaves the completer only when it is written, or when its lease is known to be gone
+(someone else owns the task now, and this attempt may write nothing). Everything in between is
+retried:
+
+* a row another transaction holds locked is skipped by the statement (it never waits) and
+  written on a later try;
+* a transient failure (the connection broke) leaves the commit's outcome unknown: the lease
+  state is re-read, and what is still held is written again;
+* a batch the database rejects is written one outcome at a time, so one bad outcome cannot
+  hold the others back; an outcome rejected on its own is recorded as an ``outcome_rejected``
+  failure instead. If even that is refused, the installation is broken (permissions, schema):
+  the completer raises and the worker stops rather than renew leases it can never settle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from sqlalchemy_pgtask import statements
+from sqlalchemy_pgtask.outcome import Outcome, WriteKind, error_document
+from sqlalchemy_pgtask.statements import Lease
+from sqlalchemy_pgtask.states import RUNNING
+from sqlalchemy_pgtask.worker._attempts import ActiveAttempt, AttemptBook
+from sqlalchemy_pgtask.worker._reconnect import Backoff, HeldConnection, brief, is_transient
+
+__all__ = ["Completer"]
+
+logger = logging.getLogger("sqlalchemy_pgtask.worker")
+
+
+@dataclass(eq=False)
+class _Pending:
+    attempt: ActiveAttempt
+    outcome: Outcome
+
+
+class Completer:
+    """The outcome writer: one loop, one held connection."""
+
+    def __init__(self, *, connection: HeldConnection, book: AttemptBook, batch_size: int) -> None:
+        self._connection = connection
+        self._book = book
+        self._batch_size = batch_size
+        self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
+
+    def submit(self, attempt: ActiveAttempt, outcome: Outcome) -> None:
+        self._queue.put_nowait(_Pending(attempt, outcome))
+
+    async def run(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            while len(batch) < self._batch_size and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            await self._write(batch)
+
+    async def _write(self, batch: list[_Pending]) -> None:
+        backoff = Backoff(base=0.02, cap=2.0)
+        pending = batch
+        while pending:
+            try:
+                pending = await self._write_batch(pending)
+            except Exception as exc:
+                if not is_transient(exc):
+                    logger.exception("writing %d outcome(s) failed; one by one now", len(pending))
+                    pending = await self._one_by_one(pending)
+                else:
+                    logger.warning("writing outcomes failed (%s); retrying", brief(exc))
+                    await asyncio.sleep(backoff.next())
+                    pending = await self._still_held(pending)
+                continue
+            if pending:  # rows someone holds locked: try again in a moment
+                await asyncio.sleep(backoff.next())
+            else:
+                backoff.reset()
+
+    async def _write_batch(self, batch: Sequence[_Pending]) -> list[_Pending]:
+        """Write ``batch``; return what is still held but was skipped (its row was locked)."""
+        by_kind: dict[WriteKind, list[_Pending]] = {}
+        for item in batch:
+            by_kind.setdefault(item.outcome.kind, []).append(item)
+        unwritten: list[_Pending] = []
+        async with self._connection.use() as conn:
+            for kind, group in by_kind.items():
+                written = await _execute(conn, kind, group)
+                for item in group:
+                    if item.attempt.task_id in written:
+                        self._book.forget(item.attempt)
+                    else:
+                        unwritten.append(item)
+        if not unwritten:
+            return []
+        return await self._still_held(unwritten)
+
+    async def _still_held(self, batch: Sequence[_Pending]) -> list[_Pending]:
+        """Keep what still holds its lease; forget the rest (written before, or lease lost)."""
+        backoff = Backoff(cap=2.0)
+        while True:
+            try:
+                async with self._connection.use() as conn:
+                    rows = (
+                        await conn.execute(
+                            statements.LEASES, {"ids": [p.attempt.task_id for p in batch]}
+                        )
+                    ).all()
+                break
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                await asyncio.sleep(backoff.next())
+        held = {
+            Lease(r.id, r.attempt, r.lease_token) for r in rows if r.state == RUNNING
+        }
+        keep = []
+        for item in batch:
+            if item.attempt.lease in held:
+                keep.append(item)
+            else:
+                # Either this write landed before the connection broke, or the lease is gone
+                # (expired and recovered, or the task cancelled): nothing more to write.
+                logger.info(
+                    "task %s attempt %d no longer holds its lease; its %s is settled",
+                    item.attempt.task_id, item.attempt.lease.attempt, item.outcome.kind,
+                )
+                self._book.forget(item.attempt)
+        return keep
+
+    async def _one_by_one(self, batch: Sequence[_Pending]) -> list[_Pending]:
+        keep: list[_Pending] = []
+        for item in batch:
+            try:
+                keep += await self._write_batch([item])
+            except Exception as exc:
+                if is_transient(exc):
+                    keep.append(item)  # re-read and written again by the caller's next round
+                    continue
+                logger.exception("task %s: outcome rejected", item.attempt.task_id)
+                # Never leave a task to retry the same unwritable outcome forever.
+                fallback = _Pending(
+                    item.attempt,
+                    Outcome(
+                        "fail", error_document("outcome_rejected", exc), None, "outcome_rejected"
+                    ),
+                )
+                keep += await self._write_batch([fallback])
+        return keep
+
+
+async def _execute(
+    conn: AsyncConnection, kind: WriteKind, group: Sequence[_Pending]
+) -> set[uuid.UUID]:
+    leases = [item.attempt.lease for item in group]
+    if kind == "complete":
+        results = [item.outcome.document or "null" for item in group]
+        rows = await conn.execute(statements.COMPLETE, statements.complete_params(leases, results))
+    elif kind == "fail":
+        rows = await conn.execute(
+            statements.FAIL,
+            statements.fail_params(
+                leases,
+                [item.outcome.document or "{}" for item in group],
+                [item.outcome.delay for item in group],
+            ),
+        )
+    else:
+        rows = await conn.execute(statements.RELEASE, statements.fence_params(leases))
+    return {row.id for row in rows.all()}

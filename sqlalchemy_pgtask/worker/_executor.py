@@ -1,0 +1,240 @@
+"""worker._executor: runs handlers and turns what they did into an outcome for the completer.
+
+``async def`` handlers run on the event loop; plain ``def`` handlers run in daemon threads
+(a handler that ignores its stop request must not keep the process alive after its task was
+handed back). A handler is stopped by cancelling its coroutine; a synchronous one can only be
+asked (``ctx.cancelled``), and whatever it does afterwards is fenced out by its lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from sqlalchemy import Row
+
+from sqlalchemy_pgtask.context import StopReason, TaskContext
+from sqlalchemy_pgtask.control import TaskCancelled
+from sqlalchemy_pgtask.outcome import Outcome, decide, one_line
+from sqlalchemy_pgtask.registry import Registry
+from sqlalchemy_pgtask.retry import RetryPolicy
+from sqlalchemy_pgtask.statements import Lease
+from sqlalchemy_pgtask.worker._attempts import ActiveAttempt, AttemptBook
+
+__all__ = ["Executor", "HandlerThreads", "OutcomeSink"]
+
+logger = logging.getLogger("sqlalchemy_pgtask.worker")
+
+_Job = tuple[Callable[[], Any], "asyncio.Future[tuple[bool, Any]]", asyncio.AbstractEventLoop]
+
+
+class HandlerThreads:
+    """Daemon threads for synchronous handlers, started on demand.
+
+    A thread whose handler the worker stopped waiting for (at shutdown, or when its lease
+    could not be renewed) keeps running until the handler returns; a new one is started for
+    the next handler instead of queueing behind it.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def run(self, job: Callable[[], Any]) -> asyncio.Future[tuple[bool, Any]]:
+        """Run ``job`` in a thread; the future gives ``(True, value)`` or ``(False, exc)``.
+
+        The exception travels inside the result: a future cannot carry a `CancelledError`
+        that the handler raised itself without looking cancelled.
+        """
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[tuple[bool, Any]] = loop.create_future()
+        with self._lock:
+            if self._idle == 0:
+                thread = threading.Thread(
+                    target=self._serve, name=f"pgtask-handler-{len(self._threads)}", daemon=True
+                )
+                self._threads.append(thread)
+                self._idle += 1
+                thread.start()
+            self._idle -= 1
+        self._jobs.put((job, future, loop))
+        return future
+
+    def _serve(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            job, future, loop = item
+            try:
+                settled: tuple[bool, Any] = (True, job())
+            except BaseException as exc:  # handed to the event loop, which decides
+                settled = (False, exc)
+            with self._lock:
+                self._idle += 1
+
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(_deliver, future, settled)
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
+
+
+def _deliver(future: asyncio.Future[tuple[bool, Any]], result: tuple[bool, Any]) -> None:
+    if not future.done():  # the worker may have stopped waiting
+        future.set_result(result)
+
+
+class OutcomeSink(Protocol):
+    def submit(self, attempt: ActiveAttempt, outcome: Outcome) -> None: ...
+
+
+def _extra(attempt: ActiveAttempt, **more: object) -> dict[str, object]:
+    ctx = attempt.ctx
+    return {
+        "task_id": str(ctx.task_id), "task_name": ctx.name, "version": ctx.version,
+        "queue": ctx.queue, "attempt": ctx.attempt, "worker_id": str(ctx.worker_id), **more,
+    }
+
+
+class Executor:
+    """Starts a handler for each claimed row and hands its outcome to the completer."""
+
+    def __init__(
+        self, *, registry: Registry, book: AttemptBook, sink: OutcomeSink, worker_id: Any
+    ) -> None:
+        self._registry = registry
+        self._book = book
+        self._sink = sink
+        self._worker_id = worker_id
+        self._threads = HandlerThreads()
+
+    def start(self, row: Row[Any], sent: float) -> None:
+        definition = self._registry.get(row.queue, row.name, row.version)
+        assert definition is not None, "claims are filtered by this registry's capabilities"
+        ctx = TaskContext(
+            task_id=row.id,
+            name=row.name,
+            version=row.version,
+            queue=row.queue,
+            attempt=row.attempt,
+            failed_attempts=row.failed_attempts,
+            max_attempts=row.max_attempts,
+            headers=dict(row.headers or {}),
+            worker_id=self._worker_id,
+        )
+        attempt = ActiveAttempt(
+            ctx=ctx,
+            definition=definition,
+            payload=row.payload,
+            lease=Lease(row.id, row.attempt, row.lease_token),
+            policy=RetryPolicy.from_row(row) or definition.retry,
+            lease_sent_at=sent,
+        )
+        self._book.add(attempt)
+        if row.cancel_requested_at is not None:
+            ctx.request_stop("cancelled")
+        if logger.isEnabledFor(logging.INFO):
+            logger.info(
+                "task %s %s v%d attempt %d started", ctx.task_id, ctx.name, ctx.version,
+                ctx.attempt, extra=_extra(attempt),
+            )
+        attempt.handle = asyncio.create_task(self._execute(attempt), name=f"pgtask-{row.id}")
+
+    async def _execute(self, attempt: ActiveAttempt) -> None:
+        ctx, definition = attempt.ctx, attempt.definition
+        returned: object = None
+        raised: BaseException | None = None
+        try:
+            if ctx.cancelled:
+                raise TaskCancelled(f"task {ctx.task_id} was cancelled")
+            if definition.is_async:
+                returned = await definition.handler(ctx, attempt.payload)
+            else:
+                ok, value = await self._threads.run(
+                    lambda: definition.handler(ctx, attempt.payload)
+                )
+                if not ok:
+                    raise value
+                returned = value
+                if inspect.isawaitable(returned):  # a plain function that returned a coroutine
+                    returned = await returned
+        except BaseException as exc:  # every way a handler can end is an outcome
+            raised = exc
+        outcome = decide(
+            returned=returned,
+            raised=raised,
+            stop=ctx.stop_reason,
+            stopped_by_worker=attempt.stopped_by_worker,
+            policy=attempt.policy,
+            failed_attempts=ctx.failed_attempts,
+            non_retryable=definition.non_retryable,
+        )
+        self._log_end(attempt, outcome, raised)
+        self._book.settle(attempt)
+        if outcome is None:
+            self._book.forget(attempt)
+        else:
+            self._sink.submit(attempt, outcome)
+
+    def _log_end(
+        self, attempt: ActiveAttempt, outcome: Outcome | None, raised: BaseException | None
+    ) -> None:
+        duration = time.monotonic() - attempt.started_at
+        ctx = attempt.ctx
+        if outcome is None:
+            logger.warning(
+                "task %s attempt %d lost its lease after %.3fs; nothing recorded",
+                ctx.task_id, ctx.attempt, duration,
+                extra=_extra(attempt, duration_seconds=duration, outcome="lease_lost"),
+            )
+        elif outcome.kind == "complete":
+            if logger.isEnabledFor(logging.INFO):
+                logger.info(
+                    "task %s %s attempt %d succeeded in %.3fs", ctx.task_id, ctx.name,
+                    ctx.attempt, duration,
+                    extra=_extra(attempt, duration_seconds=duration, outcome="succeeded"),
+                )
+        elif outcome.kind == "release":
+            logger.info(
+                "task %s attempt %d stopped after %.3fs (%s); handing it back", ctx.task_id,
+                ctx.attempt, duration, ctx.stop_reason,
+                extra=_extra(attempt, duration_seconds=duration, outcome="released"),
+            )
+        else:
+            retry = "" if outcome.delay is None else f"; retry in {outcome.delay:.2f}s"
+            message = "" if raised is None else f": {one_line(raised)}"
+            logger.warning(
+                "task %s %s attempt %d failed after %.3fs (%s%s)%s", ctx.task_id, ctx.name,
+                ctx.attempt, duration, outcome.error_kind, message, retry,
+                extra=_extra(
+                    attempt, duration_seconds=duration, error_kind=outcome.error_kind,
+                    outcome="failed" if outcome.delay is None else "retrying",
+                ),
+            )
+
+    def stop(self, attempt: ActiveAttempt, reason: StopReason, *, force: bool = False) -> None:
+        """Ask a handler to stop. Async handlers are cancelled; sync ones see ``ctx.cancelled``.
+
+        ``force`` also stops waiting for a synchronous handler's thread, so its task can be
+        handed back now; whatever the thread does later is fenced out.
+        """
+        first = attempt.ctx.request_stop(reason)
+        if attempt.handle is None or attempt.settled or attempt.handle.done():
+            return
+        if (attempt.definition.is_async and first) or force:
+            attempt.stopped_by_worker = True
+            attempt.handle.cancel()
+
+    def handles(self) -> list[asyncio.Task[None]]:
+        return [a.handle for a in self._book.active.values() if a.handle is not None]
+
+    def close(self) -> None:
+        self._threads.close()

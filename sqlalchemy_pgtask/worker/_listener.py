@@ -1,0 +1,63 @@
+"""worker._listener: the ``LISTEN`` connection; turns notifications into wake-ups, never into work.
+
+Notifications are hints: a wake-up only makes the claim loop ask the database. The listener
+reconnects with backoff and, once listening again, wakes the loops at once, because anything
+enqueued while it was deaf sent its notification to nobody. The connection comes from the
+application's engine (its ``connect_args``, ``creator`` and pool events apply) and is discarded
+afterwards rather than returned to the pool with a LISTEN on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Collection
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from sqlalchemy_pgtask._connection import READY_CHANNEL, WAKE_ALL, listening_connection
+from sqlalchemy_pgtask.worker._reconnect import Backoff, brief, is_transient
+
+__all__ = ["Listener"]
+
+logger = logging.getLogger("sqlalchemy_pgtask.worker")
+
+
+class Listener:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        queues: Collection[str],
+        *,
+        wake: Callable[[], None],
+        connect_timeout: float,
+    ) -> None:
+        self._engine = engine
+        self._queues = frozenset(queues)
+        self._wake = wake
+        self._timeout = connect_timeout
+        #: Set while the LISTEN is established.
+        self.listening = asyncio.Event()
+
+    async def run(self) -> None:
+        backoff = Backoff()
+        while True:
+            try:
+                async with listening_connection(
+                    self._engine, READY_CHANNEL, timeout=self._timeout
+                ) as notifications:
+                    backoff.reset()
+                    self.listening.set()
+                    self._wake()  # anything enqueued while we were deaf is due now
+                    async for payload in notifications:
+                        if payload in self._queues or payload == WAKE_ALL:
+                            self._wake()
+            except Exception as exc:
+                self.listening.clear()
+                if not is_transient(exc):
+                    raise
+                delay = backoff.next()
+                logger.warning(
+                    "listener disconnected (%s); reconnecting in %.2fs", brief(exc), delay
+                )
+                await asyncio.sleep(delay)

@@ -1,0 +1,72 @@
+"""worker._main: `run`, a worker in the foreground of a process, stopped by SIGTERM or SIGINT.
+
+The first signal drains (handlers get the grace period), the second hands running tasks back
+at once, and any later one is ignored: the process is already on its way out, and a signal
+must not kill it between the event loop closing and the interpreter exiting (which would turn
+a clean exit into 143 or 130).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from sqlalchemy_pgtask.registry import Registry
+from sqlalchemy_pgtask.worker._options import WorkerOptions
+from sqlalchemy_pgtask.worker._runtime import Worker
+
+__all__ = ["run"]
+
+logger = logging.getLogger("sqlalchemy_pgtask.worker")
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def run(
+    registry: Registry,
+    database: str | AsyncEngine,
+    options: WorkerOptions | None = None,
+    *,
+    handle_signals: bool = True,
+    restore_signals: bool = True,
+) -> None:
+    """Run a `Worker` until SIGTERM or SIGINT (or `Worker.shutdown`), then return.
+
+    With ``handle_signals`` (main thread only) the first signal drains, the second stops at
+    once. ``restore_signals=False`` keeps ignoring signals after the worker stopped, for a
+    process that exits right after (the ``pgtask worker`` command).
+
+    :raises WorkerCrashed: an internal loop failed (the process should exit non-zero).
+    """
+    worker = Worker(registry, database, options)
+    if not handle_signals or threading.current_thread() is not threading.main_thread():
+        asyncio.run(worker.run())
+        return
+    received = 0
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal received
+        received += 1
+        name = signal.Signals(signum).name
+        if received == 1:
+            logger.info("%s: draining (send it again to stop at once)", name)
+            worker.shutdown()
+        elif received == 2:
+            logger.warning("%s again: handing running tasks back and stopping now", name)
+            worker.shutdown(immediate=True)
+        else:
+            logger.info("%s ignored: already stopping", name)
+
+    previous: dict[signal.Signals, Any] = {s: signal.signal(s, on_signal) for s in _SIGNALS}
+    try:
+        asyncio.run(worker.run())
+    finally:
+        if restore_signals:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)

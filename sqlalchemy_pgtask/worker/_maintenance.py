@@ -1,0 +1,130 @@
+"""worker._maintenance: periodic database housekeeping that any worker may do, one small protocol.
+
+A `MaintenanceService` is a named pass with an interval. The runner runs every service on the
+worker's maintenance connection, one at a time, each on its own jittered schedule; a pass that
+fails is logged and tried again after a backoff, and never stops the other services or the
+worker. Nothing here needs a leader: every pass is written to be harmless when several workers
+run it at once (``SKIP LOCKED`` batches).
+
+Services today: `Recovery` (expired leases back to pending) and `WorkerPruning` (rows of
+workers long gone). Schedules and retention plug in the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from sqlalchemy_pgtask import statements
+from sqlalchemy_pgtask._connection import bounded
+from sqlalchemy_pgtask.worker._reconnect import Backoff, HeldConnection, brief, is_transient
+
+__all__ = ["MaintenanceRunner", "MaintenanceService", "Recovery", "WorkerPruning"]
+
+logger = logging.getLogger("sqlalchemy_pgtask.worker")
+
+#: Most batches one pass of a batched service runs before yielding to the next service.
+MAX_BATCHES_PER_PASS = 16
+
+
+class MaintenanceService(Protocol):
+    """One kind of housekeeping."""
+
+    #: Shown in logs.
+    name: str
+    #: Seconds between passes (the runner spreads them by +-20%).
+    interval: float
+
+    async def run_once(self, connection: AsyncConnection) -> None:
+        """One pass; raise to have it retried after a backoff."""
+
+
+class Recovery:
+    """Returns tasks whose lease expired (their worker died or stalled) to pending."""
+
+    name = "recovery"
+
+    def __init__(self, *, interval: float, batch_size: int) -> None:
+        self.interval = interval
+        self._batch = batch_size
+
+    async def run_once(self, connection: AsyncConnection) -> None:
+        for _ in range(MAX_BATCHES_PER_PASS):
+            rows = (await connection.execute(statements.RECOVER, {"limit": self._batch})).all()
+            if rows:
+                logger.info("recovered %d task(s) with expired leases", len(rows))
+            if len(rows) < self._batch:
+                return
+
+
+class WorkerPruning:
+    """Deletes the rows of workers that expired more than ``retention`` seconds ago."""
+
+    name = "worker pruning"
+
+    def __init__(self, *, interval: float, retention: float, batch_size: int = 1000) -> None:
+        self.interval = interval
+        self._retention = retention
+        self._batch = batch_size
+
+    async def run_once(self, connection: AsyncConnection) -> None:
+        for _ in range(MAX_BATCHES_PER_PASS):
+            rows = (
+                await connection.execute(
+                    statements.PRUNE_WORKERS,
+                    {"retention_seconds": self._retention, "limit": self._batch},
+                )
+            ).all()
+            if rows:
+                logger.info("pruned %d expired worker row(s)", len(rows))
+            if len(rows) < self._batch:
+                return
+
+
+class MaintenanceRunner:
+    def __init__(
+        self, connection: HeldConnection, services: Sequence[MaintenanceService]
+    ) -> None:
+        self._connection = connection
+        self._services = list(services)
+        self._wake = asyncio.Event()
+
+    def wake(self) -> None:
+        """Run every service now (the database clock moved, or the listener reconnected)."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        now = time.monotonic()
+        due = {id(s): now for s in self._services}
+        backoffs = {id(s): Backoff(cap=max(s.interval, 1.0)) for s in self._services}
+        while True:
+            if self._wake.is_set():
+                self._wake.clear()
+                now = time.monotonic()
+                due = dict.fromkeys(due, now)
+            service = min(self._services, key=lambda s: due[id(s)])
+            delay = due[id(service)] - time.monotonic()
+            if delay > 0:
+                with contextlib.suppress(TimeoutError):
+                    await bounded(self._wake.wait(), delay)
+                continue
+            try:
+                async with self._connection.use() as connection:
+                    await service.run_once(connection)
+            except Exception as exc:
+                wait = backoffs[id(service)].next()
+                if is_transient(exc):
+                    logger.warning("%s failed (%s); again in %.2fs", service.name, brief(exc), wait)
+                else:
+                    logger.exception("%s failed; again in %.2fs", service.name, wait)
+            else:
+                backoffs[id(service)].reset()
+                wait = service.interval * random.uniform(0.8, 1.2)  # noqa: S311
+            due[id(service)] = time.monotonic() + wait

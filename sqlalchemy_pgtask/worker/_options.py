@@ -1,0 +1,110 @@
+"""worker._options: how a worker runs, validated once when the options are made; no I/O."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Final
+
+from sqlalchemy_pgtask.errors import InvalidOptionError
+from sqlalchemy_pgtask.validation import check_queue_name
+
+__all__ = ["MAX_DURATION_SECONDS", "WorkerOptions"]
+
+#: The longest duration any worker option accepts (a day): beyond it a lease or a timeout is a
+#: mistake, and an infinite one would reach PostgreSQL as an interval it cannot represent.
+MAX_DURATION_SECONDS: Final = 86_400.0
+
+
+def _duration(name: str, value: object, *, low: float, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidOptionError(name, f"must be a number of seconds, got {type(value).__name__}")
+    seconds = float(value)
+    if not math.isfinite(seconds):
+        raise InvalidOptionError(name, f"must be finite, got {value!r}")
+    if seconds == 0 and allow_zero:
+        return seconds
+    if not low <= seconds <= MAX_DURATION_SECONDS:
+        raise InvalidOptionError(
+            name, f"must be between {low:g} and {MAX_DURATION_SECONDS:g} seconds, got {value!r}"
+        )
+    return seconds
+
+
+def _count(name: str, value: object, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+        raise InvalidOptionError(name, f"must be an int between 1 and {high}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerOptions:
+    """How a `Worker` runs. Durations are in seconds.
+
+    The ``pgtask worker`` command's defaults are these fields' defaults.
+    """
+
+    #: Queues to serve, in priority order (earlier queues are drained first). Default: every
+    #: queue that has a handler in the registry.
+    queues: tuple[str, ...] | None = None
+    #: Most handlers running at once.
+    concurrency: int = 10
+    #: How long a claim is valid without renewal; renewed every third of it. A handler whose
+    #: lease could not be renewed is stopped (and its task handed back) at three quarters of
+    #: it, before the lease can expire and another worker start the task again.
+    lease_duration: float = 30.0
+    #: After a shutdown request, how long running handlers may finish before they are stopped
+    #: and their tasks handed back.
+    shutdown_grace: float = 30.0
+    #: The longest an idle worker sleeps before it looks for work without a notification.
+    poll_interval: float = 30.0
+    #: How often this worker reports that it is alive; it is considered gone after the TTL.
+    heartbeat_interval: float = 10.0
+    worker_ttl: float = 30.0
+    #: Expired leases recovered per statement (up to 16 statements per pass).
+    recovery_batch_size: int = 100
+    #: Most outcomes written by one statement.
+    write_batch_size: int = 500
+    #: The longest any worker statement may wait for a lock; None: a quarter of the lease
+    #: (at most 2 s), so a renewal that waits still leaves time to try again.
+    lock_timeout: float | None = None
+    #: The longest any worker statement may run.
+    statement_timeout: float = 60.0
+    #: How long a worker row stays after the worker stopped or vanished, for operators' eyes.
+    worker_retention: float = 3600.0
+
+    def __post_init__(self) -> None:
+        _count("concurrency", self.concurrency, 10_000)
+        _duration("lease_duration", self.lease_duration, low=0.3)
+        _duration("poll_interval", self.poll_interval, low=0.001)
+        _duration("heartbeat_interval", self.heartbeat_interval, low=0.01)
+        _duration("worker_ttl", self.worker_ttl, low=0.02)
+        _duration("shutdown_grace", self.shutdown_grace, low=0.0, allow_zero=True)
+        _duration("statement_timeout", self.statement_timeout, low=0.1)
+        _duration("worker_retention", self.worker_retention, low=0.0, allow_zero=True)
+        if self.lock_timeout is not None:
+            _duration("lock_timeout", self.lock_timeout, low=0.001)
+            if self.lock_timeout > self.lease_duration / 3:
+                raise InvalidOptionError(
+                    "lock_timeout", "must be at most a third of lease_duration"
+                )
+        if self.heartbeat_interval >= self.worker_ttl:
+            raise InvalidOptionError("heartbeat_interval", "must be shorter than worker_ttl")
+        _count("recovery_batch_size", self.recovery_batch_size, 100_000)
+        _count("write_batch_size", self.write_batch_size, 100_000)
+        if self.queues is not None:
+            if isinstance(self.queues, str) or not isinstance(self.queues, tuple):
+                raise InvalidOptionError("queues", "must be a tuple of queue names")
+            if not self.queues:
+                raise InvalidOptionError("queues", "must not be empty")
+            for q in self.queues:
+                check_queue_name(q, "queues")
+            if len(set(self.queues)) != len(self.queues):
+                raise InvalidOptionError("queues", "must not repeat a queue")
+
+    @property
+    def effective_lock_timeout(self) -> float:
+        """`lock_timeout`, or its default derived from the lease."""
+        if self.lock_timeout is not None:
+            return self.lock_timeout
+        return min(2.0, self.lease_duration / 4)

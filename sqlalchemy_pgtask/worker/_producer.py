@@ -1,0 +1,155 @@
+"""worker._producer: the claim loop; claims up to the free slots and hands rows to the executor.
+
+One statement claims across all the worker's queues; the claim commits before any handler
+runs. When fewer tasks were due than slots were free, the database says when the next one
+falls due (already, if a due row was locked by someone else: then it tries again shortly),
+and the loop sleeps until then, a notification, or the poll interval.
+
+If the connection breaks during a claim, the claim may have committed: its rows are running
+under this worker's id and nobody knows. The next pass reads the worker's leases back and
+hands the unknown ones back (a release, which spends no attempt), instead of leaving them to
+expire as a failed attempt that never ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from sqlalchemy_pgtask import statements
+from sqlalchemy_pgtask.statements import CapabilityParams, Lease
+from sqlalchemy_pgtask.worker._attempts import AttemptBook
+from sqlalchemy_pgtask.worker._executor import Executor
+from sqlalchemy_pgtask.worker._reconnect import Backoff, HeldConnection, brief, is_transient
+
+__all__ = ["Producer", "first"]
+
+logger = logging.getLogger("sqlalchemy_pgtask.worker")
+
+
+async def first(*waits: Awaitable[Any], timeout: float | None = None) -> None:
+    """Wait until the first of ``waits`` finishes or ``timeout`` passes; cancel the rest."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class Producer:
+    def __init__(
+        self,
+        *,
+        connection: HeldConnection,
+        book: AttemptBook,
+        executor: Executor,
+        worker_id: uuid.UUID,
+        capabilities: CapabilityParams,
+        lease_seconds: float,
+        poll_interval: float,
+        wake: asyncio.Event,
+        stopping: asyncio.Event,
+    ) -> None:
+        self._connection = connection
+        self._book = book
+        self._executor = executor
+        self._worker_id = worker_id
+        self._capabilities = capabilities
+        self._lease = lease_seconds
+        self._poll = poll_interval
+        self._wake = wake
+        self._stopping = stopping
+        #: A claim failed in a way that leaves its commit unknown.
+        self.unknown_claims = False
+
+    async def run(self) -> None:
+        backoff = Backoff(cap=5.0)
+        due_backoff = Backoff(base=0.001, cap=1.0)
+        while not self._stopping.is_set():
+            self._wake.clear()
+            free = self._book.free_slots()
+            if free <= 0:
+                self._book.changed.clear()
+                await first(self._book.changed.wait(), self._wake.wait(), self._stopping.wait())
+                continue
+            try:
+                full, seconds = await self._pass(free)
+                backoff.reset()
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                delay = backoff.next()
+                logger.warning("claim failed (%s); retrying in %.2fs", brief(exc), delay)
+                await first(self._stopping.wait(), timeout=delay)
+                continue
+            if full:
+                continue  # every free slot was filled: claim again once one frees up
+            if seconds is None:
+                timeout = self._poll
+            elif seconds <= 0:
+                # Due but not claimed: its row was locked by another claimer (or anyone).
+                timeout = due_backoff.next()
+            else:
+                due_backoff.reset()
+                timeout = max(0.001, min(self._poll, seconds))
+            await first(self._wake.wait(), self._stopping.wait(), timeout=timeout)
+
+    async def _pass(self, free: int) -> tuple[bool, float | None]:
+        """Claim up to ``free``: whether all were filled, else seconds until the next is due
+        (None: nothing is scheduled)."""
+        async with self._connection.use() as conn:
+            if self.unknown_claims:
+                await self._hand_back_unknown(conn)
+            sent = time.monotonic()
+            try:
+                rows = (
+                    await conn.execute(
+                        statements.CLAIM,
+                        statements.claim_params(
+                            self._capabilities, worker_id=self._worker_id,
+                            lease_seconds=self._lease, limit=free,
+                        ),
+                    )
+                ).all()
+            except BaseException:
+                self.unknown_claims = True
+                raise
+            for row in rows:
+                self._executor.start(row, sent)
+            if len(rows) == free:
+                return True, None
+            await asyncio.sleep(0)  # let the new handlers start before asking
+            seconds = (
+                await conn.execute(statements.SECONDS_UNTIL_DUE, self._capabilities)
+            ).scalar_one()
+        return False, None if seconds is None else float(seconds)
+
+    async def hand_back_unknown(self) -> None:
+        """Release what a claim of unknown outcome took (used at shutdown)."""
+        if self.unknown_claims:
+            async with self._connection.use() as conn:
+                await self._hand_back_unknown(conn)
+
+    async def _hand_back_unknown(self, conn: AsyncConnection) -> None:
+        rows = (await conn.execute(statements.OWNED, {"worker_id": self._worker_id})).all()
+        orphans = [
+            lease
+            for lease in (Lease(r.id, r.attempt, r.lease_token) for r in rows)
+            if not self._book.holds(lease)
+        ]
+        if orphans:
+            released = (
+                await conn.execute(statements.RELEASE, statements.fence_params(orphans))
+            ).all()
+            logger.warning(
+                "handed back %d task(s) claimed by a claim whose outcome was unknown",
+                len(released),
+            )
+        self.unknown_claims = False

@@ -1,0 +1,137 @@
+"""worker._reconnect: which failures are worth retrying, how long to wait, and held connections.
+
+Every loop of the worker retries transient failures (a lost or refused connection, a lock or
+statement timeout, a serialisation failure) after a backoff with full jitter, so reconnecting
+workers spread out. Anything else is a bug or a broken installation: the loop lets it
+propagate and the worker stops (see the supervisor in ``_runtime``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator, Sequence
+from typing import Final
+
+import psycopg
+from sqlalchemy import func, select, text
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+__all__ = ["PLANNER_SETTINGS", "Backoff", "HeldConnection", "brief", "is_transient"]
+
+
+class Backoff:
+    """Bounded exponential backoff with full jitter."""
+
+    def __init__(self, base: float = 0.1, cap: float = 5.0) -> None:
+        self._base = base
+        self._cap = cap
+        self._failures = 0
+
+    def reset(self) -> None:
+        self._failures = 0
+
+    def next(self) -> float:
+        ceiling = min(self._cap, self._base * 2**self._failures)
+        self._failures = min(self._failures + 1, 32)
+        return random.uniform(ceiling / 2, ceiling)  # noqa: S311 - spread, not secrecy
+
+
+def brief(exc: BaseException) -> str:
+    """One line about a failure, without the statement and its parameters (task data)."""
+    cause = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
+    lines = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {lines[0] if lines else ''}"
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Retry after backoff? A lost connection also means a transaction's outcome is unknown.
+
+    psycopg's ``OperationalError`` covers connection loss, ``lock_timeout`` and
+    ``statement_timeout`` (``QueryCanceled``), serialisation failures and deadlocks.
+    """
+    if isinstance(exc, DBAPIError):
+        return bool(exc.connection_invalidated) or isinstance(
+            exc.orig, (psycopg.OperationalError, psycopg.InterfaceError)
+        )
+    return isinstance(
+        exc, (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout, OSError, TimeoutError)
+    )
+
+
+#: Planner settings for the worker's connections. Every statement they run is meant to probe an
+#: index; a plan cached while a table was nearly empty (a new install, or right after a big
+#: cleanup) would otherwise keep scanning it sequentially as it grows.
+PLANNER_SETTINGS: Final = (("enable_seqscan", "off"), ("plan_cache_mode", "force_generic_plan"))
+
+
+def _milliseconds(seconds: float) -> str:
+    return f"{max(1, round(seconds * 1000))}ms"
+
+
+class HeldConnection:
+    """One autocommit connection kept across statements, replaced after any error.
+
+    A pool checkout per statement would cost more than the hot statements' own round trips.
+    Loops that share one take turns (`use` holds a lock).
+    The session settings (timeouts, planner) are applied once per physical connection and
+    reset before it goes back to a pool the application may share.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        lock_timeout: float,
+        statement_timeout: float,
+        planner: Sequence[tuple[str, str]] = PLANNER_SETTINGS,
+    ) -> None:
+        self._engine = engine
+        self._settings = (
+            ("lock_timeout", _milliseconds(lock_timeout)),
+            ("statement_timeout", _milliseconds(statement_timeout)),
+            *planner,
+        )
+        self._connection: AsyncConnection | None = None
+        self._turn = asyncio.Lock()
+
+    @contextlib.asynccontextmanager
+    async def use(self) -> AsyncIterator[AsyncConnection]:
+        async with self._turn, self._use() as connection:
+            yield connection
+
+    @contextlib.asynccontextmanager
+    async def _use(self) -> AsyncIterator[AsyncConnection]:
+        if self._connection is None:
+            connection = await self._engine.connect()
+            try:
+                await connection.execute(
+                    select(*(func.set_config(name, value, False) for name, value in self._settings))
+                )
+            except BaseException:
+                await connection.invalidate()
+                await connection.close()
+                raise
+            self._connection = connection
+        try:
+            yield self._connection
+        except BaseException:
+            # Its state is unknown (broken, or mid-statement when cancelled): start afresh.
+            await self.close(reset=False)
+            raise
+
+    async def close(self, *, reset: bool = True) -> None:
+        connection, self._connection = self._connection, None
+        if connection is None:
+            return
+        with contextlib.suppress(Exception):
+            if reset:
+                for name, _ in self._settings:
+                    await connection.execute(text(f"RESET {name}"))
+            else:
+                await connection.invalidate()
+        with contextlib.suppress(Exception):
+            await connection.close()

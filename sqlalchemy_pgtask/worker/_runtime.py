@@ -1,0 +1,354 @@
+"""worker._runtime: the `Worker`; starts, supervises and stops the loops of the other modules.
+
+Startup: check the schema, LISTEN, register (policies frozen or checked), then start the loops:
+listener, producer (claims), completer (outcomes), lease renewal and its watchdog, heartbeat,
+maintenance. Supervision: a loop is never meant to end, so one that does (it raised something
+that is not transient) stops the worker at once: its handlers are stopped, their tasks handed
+back, and `run` raises `WorkerCrashed`. Nothing is left running behind, also when `run` itself
+is cancelled.
+
+Graceful stop (`shutdown`): stop claiming, mark the worker draining, give running handlers the
+grace period (leases are still renewed), then stop what is left and hand it back with a fenced
+release that spends no attempt. Every wait of the stop is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Coroutine
+from typing import Any
+
+from sqlalchemy import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from sqlalchemy_pgtask import statements
+from sqlalchemy_pgtask._connection import bounded
+from sqlalchemy_pgtask.errors import InvalidOptionError, SchemaNotInstalled, WorkerCrashed
+from sqlalchemy_pgtask.registry import Registry
+from sqlalchemy_pgtask.statements import Capability
+from sqlalchemy_pgtask.worker._attempts import AttemptBook
+from sqlalchemy_pgtask.worker._completer import Completer
+from sqlalchemy_pgtask.worker._executor import Executor
+from sqlalchemy_pgtask.worker._leases import LeaseKeeper
+from sqlalchemy_pgtask.worker._listener import Listener
+from sqlalchemy_pgtask.worker._maintenance import MaintenanceRunner, Recovery, WorkerPruning
+from sqlalchemy_pgtask.worker._options import WorkerOptions
+from sqlalchemy_pgtask.worker._producer import Producer, first
+from sqlalchemy_pgtask.worker._reconnect import HeldConnection
+from sqlalchemy_pgtask.worker._registration import Registration
+
+__all__ = ["Worker"]
+
+logger = logging.getLogger("sqlalchemy_pgtask.worker")
+
+#: The longest the stop waits for the claim loop's statement in flight, and for the heartbeat
+#: that marks the worker draining.
+_STEP_TIMEOUT = 5.0
+
+
+class Worker:
+    """Runs the handlers of a `Registry` against one PostgreSQL database.
+
+    ::
+
+        worker = Worker(registry, "postgresql+psycopg://app@db/app")
+        await worker.run()  # until worker.shutdown(); `sqlalchemy_pgtask.worker.run` adds signals
+
+    ``database`` is a URL (the worker makes and disposes its own engine) or an `AsyncEngine`
+    (shared: the worker holds up to five of its connections while it runs).
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        database: str | AsyncEngine,
+        options: WorkerOptions | None = None,
+    ) -> None:
+        if not isinstance(registry, Registry):
+            raise InvalidOptionError(
+                "registry", f"must be a Registry, got {type(registry).__name__}"
+            )
+        if not len(registry):
+            raise InvalidOptionError("registry", "has no handlers")
+        self.options = options or WorkerOptions()
+        self.registry = registry
+        self.id = uuid.uuid4()
+        self.queues: tuple[str, ...] = self.options.queues or tuple(registry.queues)
+        served = [d for d in registry if d.queue in self.queues]
+        if not served:
+            raise InvalidOptionError("queues", f"no handler is registered on {self.queues}")
+        if isinstance(database, AsyncEngine):
+            self._engine = database
+            self._owns_engine = False
+        else:
+            self._engine = create_async_engine(
+                make_url(database).set(drivername="postgresql+psycopg"),
+                pool_size=6,
+                max_overflow=4,
+                # Errors are logged; statement parameters carry task payloads and results.
+                hide_parameters=True,
+            )
+            self._owns_engine = True
+        options = self.options
+        lease = float(options.lease_duration)
+        # Every worker statement is a single statement: autocommit spares BEGIN/COMMIT trips.
+        auto = self._engine.execution_options(isolation_level="AUTOCOMMIT")
+
+        def held() -> HeldConnection:
+            return HeldConnection(
+                auto,
+                lock_timeout=options.effective_lock_timeout,
+                statement_timeout=options.statement_timeout,
+            )
+
+        self._connections = {name: held() for name in ("claim", "write", "control", "maintenance")}
+        capabilities = [
+            Capability(d.queue, d.name, d.version, d.retry, d.max_attempts) for d in served
+        ]
+        self._book = AttemptBook(options.concurrency)
+        self._wake = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._immediate = asyncio.Event()
+        self._ready = asyncio.Event()
+        self._completer = Completer(
+            connection=self._connections["write"], book=self._book,
+            batch_size=options.write_batch_size,
+        )
+        self._executor = Executor(
+            registry=registry, book=self._book, sink=self._completer, worker_id=self.id
+        )
+        self._leases = LeaseKeeper(
+            connection=self._connections["control"], book=self._book, executor=self._executor,
+            lease_seconds=lease,
+        )
+        self._producer = Producer(
+            connection=self._connections["claim"], book=self._book, executor=self._executor,
+            worker_id=self.id,
+            capabilities=statements.capability_params(self.queues, capabilities),
+            lease_seconds=lease, poll_interval=options.poll_interval, wake=self._wake,
+            stopping=self._stopping,
+        )
+        self._maintenance = MaintenanceRunner(
+            self._connections["maintenance"],
+            [
+                Recovery(interval=lease / 3, batch_size=options.recovery_batch_size),
+                WorkerPruning(
+                    interval=max(options.worker_ttl, 60.0), retention=options.worker_retention
+                ),
+            ],
+        )
+        self._registration = Registration(
+            engine=self._engine, connection=self._connections["control"], worker_id=self.id,
+            queues=self.queues, capabilities=capabilities, concurrency=options.concurrency,
+            heartbeat_interval=options.heartbeat_interval, ttl=options.worker_ttl,
+            lock_timeout=options.effective_lock_timeout,
+        )
+        self._listener = Listener(
+            self._engine, self.queues, wake=self._wake_all, connect_timeout=max(lease, 10.0)
+        )
+        self._loops: dict[str, asyncio.Task[None]] = {}
+        self._crashed: tuple[str, BaseException] | None = None
+        self._crash = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- public control ------------------------------------------------------------------
+
+    def shutdown(self, *, immediate: bool = False) -> None:
+        """Stop claiming and drain; a second call (or ``immediate``) stops at once.
+
+        Safe to call from any thread and from signal handlers.
+        """
+        loop = self._loop
+
+        def request() -> None:
+            if immediate or self._stopping.is_set():
+                self._immediate.set()
+            self._stopping.set()
+            self._wake.set()
+
+        # Before run() there is no loop yet: the flags make run() return right after startup.
+        if loop is None or _running_loop() is loop:
+            request()
+        elif not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # closed in between
+                loop.call_soon_threadsafe(request)
+
+    async def wait_until_ready(self, timeout: float | None = None) -> None:
+        """Return once the worker listens, is registered and its loops run."""
+        if timeout is None:
+            await self._ready.wait()
+        else:
+            await bounded(self._ready.wait(), timeout)
+
+    @property
+    def draining(self) -> bool:
+        return self._registration.draining
+
+    @property
+    def active_count(self) -> int:
+        """Attempts claimed and not yet recorded (at most twice the concurrency)."""
+        return len(self._book.active)
+
+    @property
+    def running_count(self) -> int:
+        """Handlers running now (at most the concurrency)."""
+        return self._book.unsettled
+
+    # -- main ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Run until `shutdown`; then drain, hand back what is left, and return.
+
+        :raises WorkerCrashed: an internal loop failed; the worker stopped and handed its
+            tasks back.
+        :raises SchemaNotInstalled: the pgtask schema is missing.
+        :raises PolicyConflict: a handler's policy differs from the one frozen in the database.
+        """
+        self._loop = asyncio.get_running_loop()
+        try:
+            await self._check_schema()
+            self._spawn("listener", self._listener.run())
+            await first(
+                self._listener.listening.wait(), self._stopping.wait(), self._crash.wait()
+            )
+            if not self._crash.is_set() and not self._stopping.is_set():
+                await self._registration.register()
+                self._spawn("completer", self._completer.run())
+                self._spawn("renewer", self._leases.renew_loop())
+                self._spawn("watchdog", self._leases.watchdog())
+                self._spawn("heartbeat", self._registration.run())
+                self._spawn("maintenance", self._maintenance.run())
+                self._spawn("producer", self._producer.run())
+                self._ready.set()
+                logger.info(
+                    "worker %s serving %s with concurrency %d",
+                    self.id, ", ".join(self.queues), self.options.concurrency,
+                )
+                await first(self._stopping.wait(), self._crash.wait())
+                await self._stop()
+        except asyncio.CancelledError:
+            logger.warning("worker %s cancelled; handing back its tasks", self.id)
+            self._immediate.set()
+            with contextlib.suppress(Exception):
+                await bounded(self._stop(), min(5.0, self.options.lease_duration))
+            raise
+        finally:
+            await self._close()
+        if self._crashed is not None:
+            name, exc = self._crashed
+            raise WorkerCrashed(f"the worker's {name} loop failed: {exc!r}") from exc
+
+    def _spawn(self, name: str, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coroutine, name=f"pgtask-{name}")
+        self._loops[name] = task
+
+        def ended(done: asyncio.Task[None]) -> None:
+            if done.cancelled() or self._crashed is not None:
+                return
+            exc = done.exception()
+            if exc is None and name == "producer" and self._stopping.is_set():
+                return  # the claim loop ends by design once stopping
+            failure = exc or RuntimeError(f"{name} loop returned")
+            logger.error("worker %s: %s loop failed: %r; stopping", self.id, name, failure,
+                         exc_info=failure)
+            self._crashed = (name, failure)
+            self._immediate.set()
+            self._crash.set()
+
+        task.add_done_callback(ended)
+
+    def _wake_all(self) -> None:
+        self._wake.set()
+
+    async def _check_schema(self) -> None:
+        async with self._engine.connect() as conn:
+            installed = (await conn.execute(statements.SCHEMA_INSTALLED)).scalar_one()
+        if not installed:
+            raise SchemaNotInstalled()
+
+    async def _stop(self) -> None:
+        """Stop claiming, drain within the grace period, hand back what is left."""
+        self._stopping.set()
+        self._wake.set()
+        self._registration.draining = True
+        logger.info("worker %s: stopping; no new claims", self.id)
+        producer = self._loops.get("producer")
+        if producer is not None and not producer.done():
+            await first(asyncio.shield(producer), timeout=_STEP_TIMEOUT)
+            if not producer.done():
+                producer.cancel()  # a claim in flight; its outcome is swept below
+                await asyncio.gather(producer, return_exceptions=True)
+        if "heartbeat" in self._loops:
+            with contextlib.suppress(Exception):  # visible as draining at once, not at the end
+                await bounded(self._registration.heartbeat(), _STEP_TIMEOUT)
+        deadline = time.monotonic() + self.options.shutdown_grace
+        if self._book.running() and not self._immediate.is_set():
+            logger.info(
+                "worker %s: waiting up to %.1fs for %d running handler(s)",
+                self.id, self.options.shutdown_grace, len(self._book.running()),
+            )
+        while self._book.running() and not self._immediate.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._book.changed.clear()
+            await first(self._book.changed.wait(), self._immediate.wait(), timeout=remaining)
+        leftovers = self._book.running()
+        if leftovers:
+            logger.warning("worker %s: handing back %d unfinished task(s)", self.id, len(leftovers))
+        for attempt in leftovers:
+            self._executor.stop(attempt, "shutdown", force=True)
+        await self._flush_outcomes()
+        if self._crashed is None:
+            with contextlib.suppress(Exception):
+                await bounded(self._producer.hand_back_unknown(), _STEP_TIMEOUT)
+        logger.info("worker %s: stopped", self.id)
+
+    async def _flush_outcomes(self) -> None:
+        """Wait for the completer to write what is queued, while leases are still renewed.
+
+        Bounded by the lease: a release written after its lease expired would be fenced out
+        anyway, and recovery hands the task back instead.
+        """
+        if self._crashed is not None and self._crashed[0] == "completer":
+            return
+        await asyncio.sleep(0)  # let stopped handlers settle
+        deadline = time.monotonic() + self.options.lease_duration
+        while self._book.active and not self._crash.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                logger.warning(
+                    "worker %s: %d outcome(s) not written; their leases will expire",
+                    self.id, len(self._book.active),
+                )
+                return
+            self._book.changed.clear()
+            await first(self._book.changed.wait(), self._crash.wait(), timeout=remaining)
+
+    async def _close(self) -> None:
+        loops = list(self._loops.values())
+        handles = self._executor.handles()
+        for attempt in self._book.running():
+            self._executor.stop(attempt, "shutdown", force=True)
+        for task in loops:
+            task.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        if handles:  # an async handler may ignore its cancellation: do not wait forever
+            await asyncio.wait(handles, timeout=_STEP_TIMEOUT)
+        await self._registration.retire(_STEP_TIMEOUT)
+        for connection in self._connections.values():
+            await connection.close()
+        self._executor.close()
+        if self._owns_engine:
+            await self._engine.dispose()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
