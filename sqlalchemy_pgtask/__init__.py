@@ -47,6 +47,7 @@ from sqlalchemy_pgtask.errors import (
     SchemaNotInstalled,
     TaskNotFound,
     ValidationError,
+    WorkerCrashed,
 )
 from sqlalchemy_pgtask.models import (
     Attempt,
@@ -94,6 +95,7 @@ __all__ = [
     "ValidationError",
     "Worker",
     "WorkerCapability",
+    "WorkerCrashed",
     "WorkerOptions",
     "WorkerRecord",
     "__version__",

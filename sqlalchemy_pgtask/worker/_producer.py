@@ -99,6 +99,7 @@ class Producer:
             else:
                 due_backoff.reset()
                 timeout = max(0.001, min(self._poll, seconds))
+            logger.debug("idle: next claim within %.3fs", timeout)
             await first(self._wake.wait(), self._stopping.wait(), timeout=timeout)
 
     async def _pass(self, free: int) -> tuple[bool, float | None]:

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from sqlalchemy_pgtask import Task, enqueue_async
+from sqlalchemy_pgtask import Attempt, Task, enqueue_async
 
 TERMINAL: Final = ("succeeded", "failed", "cancelled")
 
@@ -43,6 +43,18 @@ async def task_row(engine: AsyncEngine, task_id: uuid.UUID) -> dict[str, Any]:
     async with engine.connect() as conn:
         row = (await conn.execute(select(Task.__table__).where(Task.id == task_id))).mappings()
         return dict(row.one())
+
+
+async def attempt_rows(engine: AsyncEngine, task_id: uuid.UUID) -> list[dict[str, Any]]:
+    async with engine.connect() as conn:
+        rows = (
+            await conn.execute(
+                select(Attempt.__table__)
+                .where(Attempt.task_id == task_id)
+                .order_by(Attempt.attempt)
+            )
+        ).mappings()
+        return [dict(row) for row in rows]
 
 
 async def wait_for_state(

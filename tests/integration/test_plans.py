@@ -55,7 +55,8 @@ def _claim_many(engine: Engine, count: int) -> None:
         )
         connection.execute(
             text(
-                "WITH c AS (UPDATE pgtask.tasks SET state = 'running', attempt = 1, max_attempts = 5, "
+                "WITH c AS (UPDATE pgtask.tasks SET state = 'running', attempt = 1, "
+                "max_attempts = 5, "
                 "lease_token = gen_random_uuid(), lease_owner = gen_random_uuid(), "
                 "lease_expires_at = now() + interval '1 hour' RETURNING id, lease_token) "
                 "INSERT INTO pgtask.attempts (task_id, attempt, lease_token) "

@@ -42,7 +42,7 @@ from sqlalchemy_pgtask import (
 )
 from sqlalchemy_pgtask.testing import running_worker
 
-from .support import add, task_row, wait_for_state, wait_until
+from .support import add, attempt_rows, task_row, wait_for_state, wait_until
 
 LEASE = 1.5
 FAST = WorkerOptions(
@@ -52,18 +52,6 @@ NO_JITTER = RetryPolicy.fixed(0.0, jitter=False)
 
 
 # -- helpers -------------------------------------------------------------------------------
-
-
-async def attempt_rows(engine: AsyncEngine, task_id: uuid.UUID) -> list[dict[str, Any]]:
-    async with engine.connect() as conn:
-        rows = (
-            await conn.execute(
-                select(Attempt.__table__)
-                .where(Attempt.task_id == task_id)
-                .order_by(Attempt.attempt)
-            )
-        ).mappings()
-        return [dict(row) for row in rows]
 
 
 async def db_now(engine: AsyncEngine) -> Any:

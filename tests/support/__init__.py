@@ -1,0 +1,1 @@
+"""Helpers shared by the test suites (integration, acceptance): one place for each."""
