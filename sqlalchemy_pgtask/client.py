@@ -17,7 +17,14 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from sqlalchemy_pgtask import statements
-from sqlalchemy_pgtask.enqueue import AsyncBind, SyncBind, async_connection_of, connection_of
+from sqlalchemy_pgtask._connection import (
+    RESULT_CHANNEL,
+    AsyncBind,
+    SyncBind,
+    async_connection_of,
+    connection_of,
+    parse_task_id,
+)
 from sqlalchemy_pgtask.errors import InvalidOptionError, TaskNotFound
 from sqlalchemy_pgtask.models import ACTIVE_STATES, TERMINAL_STATES, Queue, Task
 from sqlalchemy_pgtask.validation import check_int_range, check_queue_name
@@ -33,18 +40,12 @@ __all__ = [
     "wait_for_result_async",
 ]
 
-RESULT_CHANNEL: Final = "pgtask_result"
 #: How often a waiter re-reads the task even without a notification (a missed one, say).
 DEFAULT_POLL_INTERVAL: Final = 1.0
 
 
-def _task_id(value: uuid.UUID | str) -> uuid.UUID:
-    if isinstance(value, uuid.UUID):
-        return value
-    try:
-        return uuid.UUID(str(value))
-    except ValueError as exc:
-        raise InvalidOptionError("task_id", f"{value!r} is not a UUID") from exc
+#: The CLI's name for `parse_task_id`, kept until it imports the seam's.
+_task_id = parse_task_id
 
 
 def get_task(session: Session, task_id: uuid.UUID | str) -> Task | None:

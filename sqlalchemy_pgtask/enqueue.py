@@ -17,14 +17,17 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Final, NamedTuple
 
-from sqlalchemy import Connection, Executable
-from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
-from sqlalchemy.orm import Session
+from sqlalchemy import Executable
 
 from sqlalchemy_pgtask import statements
-from sqlalchemy_pgtask.errors import InvalidOptionError, QueueFull
-from sqlalchemy_pgtask.models import Task
+from sqlalchemy_pgtask._connection import (
+    AsyncBind,
+    SyncBind,
+    async_connection_of,
+    connection_of,
+    translated_errors,
+)
+from sqlalchemy_pgtask.errors import InvalidOptionError
 from sqlalchemy_pgtask.validation import (
     INT2_MAX,
     INT2_MIN,
@@ -52,9 +55,6 @@ __all__ = [
 
 DEFAULT_QUEUE: Final = "default"
 DEFAULT_MAX_ATTEMPTS: Final = 5
-
-SyncBind = Session | Connection
-AsyncBind = AsyncSession | AsyncConnection
 
 
 class EnqueueResult(NamedTuple):
@@ -284,53 +284,16 @@ def _validate_many(requests: Iterable[EnqueueRequest]) -> list[_Row]:
     return rows
 
 
-def _queue_full(exc: DBAPIError) -> QueueFull | None:
-    if getattr(exc.orig, "sqlstate", None) == QueueFull.sqlstate:
-        diag = getattr(exc.orig, "diag", None)
-        message = getattr(diag, "message_primary", None) or str(exc.orig)
-        return QueueFull(message)
-    return None
-
-
-# Executing through a Session would autoflush the caller's pending objects; the session's
-# connection joins the same transaction without flushing anything.
-_BIND_ARGUMENTS: Final = {"mapper": Task}
-
-
-def connection_of(bind: SyncBind) -> Connection:
-    """The connection of ``bind``'s current transaction (begun if needed), without a flush."""
-    if isinstance(bind, Session):
-        return bind.connection(bind_arguments=_BIND_ARGUMENTS)
-    return bind
-
-
-async def async_connection_of(bind: AsyncBind) -> AsyncConnection:
-    """`connection_of` for an `AsyncSession` or `AsyncConnection`."""
-    if isinstance(bind, AsyncSession):
-        return await bind.connection(bind_arguments=_BIND_ARGUMENTS)
-    return bind
-
-
 def _execute(bind: SyncBind, plan: _Plan) -> list[EnqueueResult]:
-    try:
+    with translated_errors():
         result = connection_of(bind).execute(plan.statement, plan.params)
-    except DBAPIError as exc:
-        full = _queue_full(exc)
-        if full is not None:
-            raise full from exc
-        raise
-    return _results(plan, result.all() if plan.returns_rows else None)
+        return _results(plan, result.all() if plan.returns_rows else None)
 
 
 async def _execute_async(bind: AsyncBind, plan: _Plan) -> list[EnqueueResult]:
-    try:
+    with translated_errors():
         result = await (await async_connection_of(bind)).execute(plan.statement, plan.params)
-    except DBAPIError as exc:
-        full = _queue_full(exc)
-        if full is not None:
-            raise full from exc
-        raise
-    return _results(plan, result.all() if plan.returns_rows else None)
+        return _results(plan, result.all() if plan.returns_rows else None)
 
 
 def enqueue(

@@ -22,14 +22,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Final, Generic, TypeVar
 
+from sqlalchemy_pgtask._connection import AsyncBind, SyncBind
 from sqlalchemy_pgtask.context import TaskContext
 from sqlalchemy_pgtask.enqueue import (
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_QUEUE,
-    AsyncBind,
     EnqueueRequest,
     EnqueueResult,
-    SyncBind,
     enqueue,
     enqueue_async,
 )

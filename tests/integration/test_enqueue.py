@@ -10,7 +10,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, create_engine, event, func, select, text, update
+from sqlalchemy import Engine, create_engine, delete, event, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
@@ -387,7 +387,7 @@ def test_deleting_history_does_not_release_an_unexpired_key(pgtask_engine: Engin
     with Session(pgtask_engine) as session:
         first = enqueue(session, "t", idempotency_key="k").id
         session.commit()
-        session.execute(Task.__table__.delete().where(Task.__table__.c.id == first))
+        session.execute(delete(Task).where(Task.id == first))
         session.commit()
         again = enqueue(session, "t", idempotency_key="k")
         session.commit()
