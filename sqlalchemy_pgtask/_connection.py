@@ -4,7 +4,10 @@ Every client function (enqueue, cancel, get_task, queue settings, the waiters) r
 PostgreSQL through this module, so three things are decided once:
 
 * **which connection**: the one of the caller's current transaction (`connection_of`), taken
-  from a ``Session`` without flushing the caller's pending objects;
+  from a ``Session`` without flushing the caller's pending objects. The wrong kind of bind (an
+  engine, or an async session given to a synchronous function) is a `TypeError` raised before
+  any SQL, naming what to pass instead: silently accepting one either writes nothing (an
+  un-awaited coroutine) or writes outside the caller's transaction;
 * **what a task id is** (`parse_task_id`) and the names of the notification channels;
 * **what a database error means** to the caller (`translated_errors`): a driver error the
   library understands becomes its typed error, raised ``from`` the driver error; anything else
@@ -16,13 +19,18 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Final
+from typing import Any, Final
 
 import psycopg
-from sqlalchemy import Connection
+from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
-from sqlalchemy.orm import Session
+from sqlalchemy.ext.asyncio import (
+    AsyncConnection,
+    AsyncEngine,
+    AsyncSession,
+    async_scoped_session,
+)
+from sqlalchemy.orm import Session, scoped_session
 
 from sqlalchemy_pgtask.errors import InvalidOptionError, PgTaskError, QueueFull
 from sqlalchemy_pgtask.models import Task
@@ -32,9 +40,15 @@ __all__ = [
     "RESULT_CHANNEL",
     "AsyncBind",
     "SyncBind",
+    "async_bind",
     "async_connection_of",
+    "async_engine",
+    "async_session",
     "connection_of",
     "parse_task_id",
+    "sync_bind",
+    "sync_engine",
+    "sync_session",
     "translated_errors",
 ]
 
@@ -43,26 +57,117 @@ READY_CHANNEL: Final = "pgtask_ready"
 #: ``NOTIFY`` channel of the terminal-state trigger; the payload is the finished task's id.
 RESULT_CHANNEL: Final = "pgtask_result"
 
-SyncBind = Session | Connection
-AsyncBind = AsyncSession | AsyncConnection
+#: What a synchronous client function runs in: the caller's session or connection. A
+#: ``scoped_session`` stands for its current session.
+SyncBind = Session | Connection | scoped_session[Any]
+#: The asyncio twin of `SyncBind`.
+AsyncBind = AsyncSession | AsyncConnection | async_scoped_session[Any]
 
 # Executing through a Session would autoflush the caller's pending objects; the session's
 # connection joins the same transaction without flushing anything.
 _BIND_ARGUMENTS: Final = {"mapper": Task}
 
+_SYNC_KINDS: Final = (Session, Connection, Engine, scoped_session)
+_ASYNC_KINDS: Final = (AsyncSession, AsyncConnection, AsyncEngine, async_scoped_session)
+_IN_TRANSACTION: Final = "inside your transaction"
 
-def connection_of(bind: SyncBind) -> Connection:
-    """The connection of ``bind``'s current transaction (begun if needed), without a flush."""
+
+def _a(noun: str) -> str:
+    return f"an {noun}" if noun[:1] in "AEIOU" else f"a {noun}"
+
+
+def _wrong_kind(bind: object, function: str, *, is_async: bool, needs: str) -> TypeError:
+    """The error for a bind of the wrong kind, saying what to pass instead."""
+    called = f"{function}_async()" if is_async else f"{function}()"
+    twin = f"{function}()" if is_async else f"{function}_async()"
+    got = type(bind).__name__
+    if isinstance(bind, _SYNC_KINDS if is_async else _ASYNC_KINDS):
+        return TypeError(f"{called} needs {needs}; for {_a(got)} use {twin}")
+    if isinstance(bind, (Engine, AsyncEngine)):
+        begin = "async with engine.begin()" if is_async else "with engine.begin()"
+        return TypeError(
+            f"{called} needs {needs}, not {_a(got)}, which has no transaction to join: pass "
+            f"your session, or the connection of `{begin} as connection:`"
+        )
+    return TypeError(f"{called} needs {needs}; got {_a(got)}")
+
+
+def sync_bind(bind: object, function: str) -> Session | Connection:
+    """``bind`` as the `Session` or `Connection` to run in; `TypeError` for any other kind."""
+    if isinstance(bind, scoped_session):
+        bind = bind()
+    if isinstance(bind, (Session, Connection)):
+        return bind
+    raise _wrong_kind(
+        bind, function, is_async=False, needs=f"a Session or Connection {_IN_TRANSACTION}"
+    )
+
+
+def async_bind(bind: object, function: str) -> AsyncSession | AsyncConnection:
+    """`sync_bind` for the ``*_async`` functions."""
+    if isinstance(bind, async_scoped_session):
+        bind = bind()
+    if isinstance(bind, (AsyncSession, AsyncConnection)):
+        return bind
+    raise _wrong_kind(
+        bind, function, is_async=True, needs=f"an AsyncSession or AsyncConnection {_IN_TRANSACTION}"
+    )
+
+
+def sync_session(bind: object, function: str) -> Session:
+    """``bind`` as a `Session`, for functions that return objects mapped in it."""
+    if isinstance(bind, scoped_session):
+        bind = bind()
     if isinstance(bind, Session):
-        return bind.connection(bind_arguments=_BIND_ARGUMENTS)
-    return bind
+        return bind
+    raise _wrong_kind(bind, function, is_async=False, needs="a Session (it returns a mapped Task)")
 
 
-async def async_connection_of(bind: AsyncBind) -> AsyncConnection:
-    """`connection_of` for an `AsyncSession` or `AsyncConnection`."""
+def async_session(bind: object, function: str) -> AsyncSession:
+    """`sync_session` for the ``*_async`` functions."""
+    if isinstance(bind, async_scoped_session):
+        bind = bind()
     if isinstance(bind, AsyncSession):
-        return await bind.connection(bind_arguments=_BIND_ARGUMENTS)
-    return bind
+        return bind
+    raise _wrong_kind(
+        bind, function, is_async=True, needs="an AsyncSession (it returns a mapped Task)"
+    )
+
+
+def sync_engine(engine: object, function: str) -> Engine:
+    """``engine`` as an `Engine`, for the waiters, which open connections of their own."""
+    if isinstance(engine, Engine):
+        return engine
+    raise _wrong_kind(
+        engine, function, is_async=False, needs="an Engine to open its own connections"
+    )
+
+
+def async_engine(engine: object, function: str) -> AsyncEngine:
+    """`sync_engine` for the ``*_async`` waiters."""
+    if isinstance(engine, AsyncEngine):
+        return engine
+    raise _wrong_kind(
+        engine, function, is_async=True, needs="an AsyncEngine to open its own connections"
+    )
+
+
+def connection_of(bind: SyncBind, function: str = "connection_of") -> Connection:
+    """The connection of ``bind``'s current transaction (begun if needed), without a flush."""
+    target = sync_bind(bind, function)
+    if isinstance(target, Session):
+        return target.connection(bind_arguments=_BIND_ARGUMENTS)
+    return target
+
+
+async def async_connection_of(
+    bind: AsyncBind, function: str = "async_connection_of"
+) -> AsyncConnection:
+    """`connection_of` for an `AsyncSession` or `AsyncConnection`."""
+    target = async_bind(bind, function)
+    if isinstance(target, AsyncSession):
+        return await target.connection(bind_arguments=_BIND_ARGUMENTS)
+    return target
 
 
 def parse_task_id(value: object, field: str = "task_id") -> uuid.UUID:

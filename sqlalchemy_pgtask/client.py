@@ -13,17 +13,23 @@ from typing import Any, Final
 import psycopg
 from sqlalchemy import URL, Engine, func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
-from sqlalchemy.orm import Session
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_scoped_session
+from sqlalchemy.orm import Session, scoped_session
 
 from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask._connection import (
     RESULT_CHANNEL,
     AsyncBind,
     SyncBind,
+    async_bind,
     async_connection_of,
+    async_engine,
+    async_session,
     connection_of,
     parse_task_id,
+    sync_bind,
+    sync_engine,
+    sync_session,
 )
 from sqlalchemy_pgtask.errors import InvalidOptionError, TaskNotFound
 from sqlalchemy_pgtask.models import ACTIVE_STATES, TERMINAL_STATES, Queue, Task
@@ -48,18 +54,22 @@ DEFAULT_POLL_INTERVAL: Final = 1.0
 _task_id = parse_task_id
 
 
-def get_task(session: Session, task_id: uuid.UUID | str) -> Task | None:
+def get_task(session: Session | scoped_session[Any], task_id: uuid.UUID | str) -> Task | None:
     """The task with that id (a mapped `Task` in ``session``), or None."""
-    return session.get(Task, _task_id(task_id))
+    target = sync_session(session, "get_task")
+    return target.get(Task, parse_task_id(task_id))
 
 
-async def get_task_async(session: AsyncSession, task_id: uuid.UUID | str) -> Task | None:
+async def get_task_async(
+    session: AsyncSession | async_scoped_session[Any], task_id: uuid.UUID | str
+) -> Task | None:
     """`get_task` for an `AsyncSession`."""
-    return await session.get(Task, _task_id(task_id))
+    target = async_session(session, "get_task")
+    return await target.get(Task, parse_task_id(task_id))
 
 
 def _cancel_params(task_id: uuid.UUID | str) -> dict[str, uuid.UUID]:
-    return {"task_id": _task_id(task_id)}
+    return {"task_id": parse_task_id(task_id)}
 
 
 def cancel(bind: SyncBind, task_id: uuid.UUID | str) -> str | None:
@@ -70,14 +80,18 @@ def cancel(bind: SyncBind, task_id: uuid.UUID | str) -> str | None:
     and the task ends cancelled; no success or retry is recorded after the request. Returns
     None when the task does not exist or had already finished. Never commits.
     """
-    row = connection_of(bind).execute(statements.CANCEL, _cancel_params(task_id)).first()
+    target = sync_bind(bind, "cancel")
+    params = _cancel_params(task_id)
+    row = connection_of(target).execute(statements.CANCEL, params).first()
     return None if row is None else str(row.state)
 
 
 async def cancel_async(bind: AsyncBind, task_id: uuid.UUID | str) -> str | None:
     """`cancel` for an `AsyncSession` or `AsyncConnection`."""
-    connection = await async_connection_of(bind)
-    row = (await connection.execute(statements.CANCEL, _cancel_params(task_id))).first()
+    target = async_bind(bind, "cancel")
+    params = _cancel_params(task_id)
+    connection = await async_connection_of(target)
+    row = (await connection.execute(statements.CANCEL, params)).first()
     return None if row is None else str(row.state)
 
 
@@ -108,8 +122,11 @@ def wait_for_result(
 
     :raises TimeoutError: the task did not finish within ``timeout`` seconds.
     :raises TaskNotFound: there is no such task.
+    :raises TypeError: ``engine`` is not an `Engine` (for an `AsyncEngine`, use
+        `wait_for_result_async`).
     """
-    wanted = _task_id(task_id)
+    engine = sync_engine(engine, "wait_for_result")
+    wanted = parse_task_id(task_id)
     deadline = None if timeout is None else time.monotonic() + timeout
     with psycopg.connect(listen_conninfo(engine.url), autocommit=True) as listener:
         listener.execute(f"LISTEN {RESULT_CHANNEL}")
@@ -137,7 +154,8 @@ async def wait_for_result_async(
     poll_interval: float = DEFAULT_POLL_INTERVAL,
 ) -> Task:
     """`wait_for_result` for an `AsyncEngine`."""
-    wanted = _task_id(task_id)
+    engine = async_engine(engine, "wait_for_result")
+    wanted = parse_task_id(task_id)
     deadline = None if timeout is None else time.monotonic() + timeout
     listener = await psycopg.AsyncConnection.connect(
         listen_conninfo(engine.url), autocommit=True
@@ -187,6 +205,7 @@ def configure_queue(
     the caller commits, so commit promptly. A paused queue accepts enqueues but nothing is
     claimed from it until it is resumed. Never commits.
     """
+    target = sync_bind(bind, "configure_queue")
     check_queue_name(name)
     values: dict[str, Any] = {}
     if not isinstance(max_outstanding_tasks, _Unset):
@@ -205,7 +224,7 @@ def configure_queue(
         values["paused_at"] = func.coalesce(Queue.paused_at, func.statement_timestamp()) if (
             paused
         ) else None
-    connection = connection_of(bind)
+    connection = connection_of(target)
     current = connection.execute(
         select(Queue.max_outstanding_tasks).where(Queue.name == name).with_for_update()
     ).first()

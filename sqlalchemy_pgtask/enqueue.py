@@ -2,9 +2,10 @@
 
 A task enqueued here exists exactly when the caller's transaction commits: if the business
 transaction rolls back, so does the task. Works with a `Session` or a `Connection`, and the
-``*_async`` twins with an `AsyncSession` or an `AsyncConnection`. Every argument is validated
-before any SQL runs, so bad input raises a `ValidationError` and leaves the caller's
-transaction untouched and usable.
+``*_async`` twins with an `AsyncSession` or an `AsyncConnection` (scoped sessions stand for
+their current session). Every argument, the bind's kind included, is checked before any SQL
+runs, so bad input raises a `ValidationError` (a wrong bind a `TypeError`) and leaves the
+caller's transaction untouched and usable.
 """
 
 from __future__ import annotations
@@ -17,14 +18,18 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Final, NamedTuple
 
-from sqlalchemy import Executable
+from sqlalchemy import Connection, Executable
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy.orm import Session
 
 from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask._connection import (
     AsyncBind,
     SyncBind,
+    async_bind,
     async_connection_of,
     connection_of,
+    sync_bind,
     translated_errors,
 )
 from sqlalchemy_pgtask.errors import InvalidOptionError
@@ -284,13 +289,15 @@ def _validate_many(requests: Iterable[EnqueueRequest]) -> list[_Row]:
     return rows
 
 
-def _execute(bind: SyncBind, plan: _Plan) -> list[EnqueueResult]:
+def _execute(bind: Session | Connection, plan: _Plan) -> list[EnqueueResult]:
     with translated_errors():
         result = connection_of(bind).execute(plan.statement, plan.params)
         return _results(plan, result.all() if plan.returns_rows else None)
 
 
-async def _execute_async(bind: AsyncBind, plan: _Plan) -> list[EnqueueResult]:
+async def _execute_async(
+    bind: AsyncSession | AsyncConnection, plan: _Plan
+) -> list[EnqueueResult]:
     with translated_errors():
         result = await (await async_connection_of(bind)).execute(plan.statement, plan.params)
         return _results(plan, result.all() if plan.returns_rows else None)
@@ -328,14 +335,17 @@ def enqueue(
         a duplicate returns the existing task's id with ``created=False``.
     :param headers: a JSON object of metadata (trace context, correlation ids), at most 64 KiB.
     :raises ValidationError: on bad input, before any SQL runs.
+    :raises TypeError: ``bind`` is not a Session or Connection (an engine, or an async session:
+        use `enqueue_async`), before any SQL runs.
     :raises QueueFull: the queue is at capacity (SQLSTATE PT001); the transaction is aborted.
     """
+    target = sync_bind(bind, "enqueue")
     plan = _plan_one(
         name, payload, queue=queue, version=version, run_at=run_at, delay=delay,
         priority=priority, max_attempts=max_attempts, idempotency_key=idempotency_key,
         headers=headers,
     )
-    return _execute(bind, plan)[0]
+    return _execute(target, plan)[0]
 
 
 async def enqueue_async(
@@ -353,12 +363,13 @@ async def enqueue_async(
     headers: Mapping[str, Any] | None = None,
 ) -> EnqueueResult:
     """`enqueue` for an `AsyncSession` or an `AsyncConnection`; the same guarantees."""
+    target = async_bind(bind, "enqueue")
     plan = _plan_one(
         name, payload, queue=queue, version=version, run_at=run_at, delay=delay,
         priority=priority, max_attempts=max_attempts, idempotency_key=idempotency_key,
         headers=headers,
     )
-    return (await _execute_async(bind, plan))[0]
+    return (await _execute_async(target, plan))[0]
 
 
 def enqueue_many(bind: SyncBind, requests: Iterable[EnqueueRequest]) -> list[EnqueueResult]:
@@ -368,17 +379,19 @@ def enqueue_many(bind: SyncBind, requests: Iterable[EnqueueRequest]) -> list[Enq
     Results come back in request order. Two requests with the same queue and idempotency key
     yield one task: the later one reports ``created=False``.
     """
+    target = sync_bind(bind, "enqueue_many")
     rows = _validate_many(requests)
     if not rows:
         return []
-    return _execute(bind, _plan_many(rows))
+    return _execute(target, _plan_many(rows))
 
 
 async def enqueue_many_async(
     bind: AsyncBind, requests: Iterable[EnqueueRequest]
 ) -> list[EnqueueResult]:
     """`enqueue_many` for an `AsyncSession` or an `AsyncConnection`."""
+    target = async_bind(bind, "enqueue_many")
     rows = _validate_many(requests)
     if not rows:
         return []
-    return await _execute_async(bind, _plan_many(rows))
+    return await _execute_async(target, _plan_many(rows))
