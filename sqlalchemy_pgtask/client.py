@@ -33,7 +33,13 @@ from sqlalchemy_pgtask._connection import (
 )
 from sqlalchemy_pgtask.errors import InvalidOptionError, TaskNotFound
 from sqlalchemy_pgtask.models import ACTIVE_STATES, TERMINAL_STATES, Queue, Task
-from sqlalchemy_pgtask.validation import check_int_range, check_queue_name
+from sqlalchemy_pgtask.validation import (
+    DURATION_MAX_SECONDS,
+    check_int_range,
+    check_poll_interval,
+    check_queue_name,
+    check_timeout,
+)
 
 __all__ = [
     "UNSET",
@@ -120,6 +126,10 @@ def wait_for_result(
     wait still wakes it. Notifications are hints; it re-reads at least every
     ``poll_interval`` seconds, so a lost notification only costs latency.
 
+    :param timeout: seconds to wait at most; None (or ``inf``) waits for ever.
+    :param poll_interval: the longest gap between two reads, in seconds (> 0).
+    :raises ValidationError: a bad ``task_id``, ``timeout`` or ``poll_interval``, before
+        connecting.
     :raises TimeoutError: the task did not finish within ``timeout`` seconds.
     :raises TaskNotFound: there is no such task.
     :raises TypeError: ``engine`` is not an `Engine` (for an `AsyncEngine`, use
@@ -127,6 +137,8 @@ def wait_for_result(
     """
     engine = sync_engine(engine, "wait_for_result")
     wanted = parse_task_id(task_id)
+    timeout = check_timeout("timeout", timeout)
+    poll_interval = check_poll_interval("poll_interval", poll_interval)
     deadline = None if timeout is None else time.monotonic() + timeout
     with psycopg.connect(listen_conninfo(engine.url), autocommit=True) as listener:
         listener.execute(f"LISTEN {RESULT_CHANNEL}")
@@ -156,6 +168,8 @@ async def wait_for_result_async(
     """`wait_for_result` for an `AsyncEngine`."""
     engine = async_engine(engine, "wait_for_result")
     wanted = parse_task_id(task_id)
+    timeout = check_timeout("timeout", timeout)
+    poll_interval = check_poll_interval("poll_interval", poll_interval)
     deadline = None if timeout is None else time.monotonic() + timeout
     listener = await psycopg.AsyncConnection.connect(
         listen_conninfo(engine.url), autocommit=True
@@ -200,6 +214,7 @@ def configure_queue(
     """Create or change a queue's settings in ``bind``'s transaction; returns its row.
 
     Only the options passed change. ``max_outstanding_tasks=None`` removes the capacity limit.
+    Retention settings are whole seconds from 0 to 100 years (`DURATION_MAX_SECONDS`).
     Turning a limit on recounts the queue's outstanding tasks; to count exactly it briefly
     takes a lock on ``pgtask.tasks`` that waits for in-flight writes and blocks new ones until
     the caller commits, so commit promptly. A paused queue accepts enqueues but nothing is
@@ -217,7 +232,9 @@ def configure_queue(
         ("idempotency_retention_seconds", idempotency_retention_seconds),
     ):
         if not isinstance(value, _Unset):
-            values[option] = check_int_range(option, value, 0, 2**63 - 1)
+            # Bounded so completed_at + make_interval(secs => ...) in the key-expiry trigger
+            # and retention cannot overflow when a task finishes, long after this call.
+            values[option] = check_int_range(option, value, 0, DURATION_MAX_SECONDS)
     if not isinstance(paused, _Unset):
         if not isinstance(paused, bool):
             raise InvalidOptionError("paused", "must be a bool")

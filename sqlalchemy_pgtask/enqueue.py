@@ -38,10 +38,11 @@ from sqlalchemy_pgtask.validation import (
     INT2_MIN,
     INT4_MAX,
     PAYLOAD_MAX_BYTES,
+    check_delay,
     check_idempotency_key,
     check_int_range,
     check_queue_name,
-    check_seconds,
+    check_run_at,
     check_task_name,
     dump_headers,
     dump_json,
@@ -137,21 +138,8 @@ def _validate(request: EnqueueRequest, task_id: uuid.UUID, prefix: str = "") -> 
     )
     if request.run_at is not None and request.delay is not None:
         raise InvalidOptionError(where("run_at"), "give either run_at or delay, not both")
-    run_at = request.run_at
-    if run_at is not None:
-        if not isinstance(run_at, datetime):
-            raise InvalidOptionError(
-                where("run_at"), f"must be a datetime, got {type(run_at).__name__}"
-            )
-        if run_at.tzinfo is None or run_at.utcoffset() is None:
-            raise InvalidOptionError(
-                where("run_at"), "must be timezone-aware (a naive datetime is ambiguous)"
-            )
-    delay = request.delay
-    seconds = 0.0
-    if delay is not None:
-        raw = delay.total_seconds() if isinstance(delay, timedelta) else delay
-        seconds = check_seconds(where("delay"), raw)
+    run_at = None if request.run_at is None else check_run_at(where("run_at"), request.run_at)
+    seconds = 0.0 if request.delay is None else check_delay(where("delay"), request.delay)
     return _Row(
         id=task_id,
         queue=queue,
@@ -326,9 +314,9 @@ def enqueue(
     :param payload: any JSON-serialisable value, at most 1 MiB as JSON.
     :param queue: the queue to add it to.
     :param version: the handler version that must run it.
-    :param run_at: the earliest time it may run (timezone-aware).
+    :param run_at: the earliest time it may run (timezone-aware, years 1 to 9999 in UTC).
     :param delay: or, instead of ``run_at``, seconds (or a timedelta) from now, where "now" is
-        the database's clock, never this process's.
+        the database's clock, never this process's; at most 100 years.
     :param priority: higher runs first within a queue (-32768 to 32767).
     :param max_attempts: how many failed attempts it gets before it fails for good.
     :param idempotency_key: at most one task per key and queue exists until the key expires;
