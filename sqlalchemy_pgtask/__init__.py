@@ -38,6 +38,7 @@ from sqlalchemy_pgtask.enqueue import (
     enqueue_many_async,
 )
 from sqlalchemy_pgtask.errors import (
+    IdempotencyConflict,
     InvalidNameError,
     InvalidOptionError,
     PayloadError,
@@ -73,6 +74,7 @@ __all__ = [
     "EnqueueResult",
     "Fail",
     "HandlerPolicy",
+    "IdempotencyConflict",
     "IdempotencyKey",
     "InvalidNameError",
     "InvalidOptionError",

@@ -10,12 +10,14 @@ PostgreSQL through this module, so three things are decided once:
   un-awaited coroutine) or writes outside the caller's transaction;
 * **what a task id is** (`parse_task_id`) and the names of the notification channels;
 * **what a database error means** to the caller (`translated_errors`): a driver error the
-  library understands becomes its typed error, raised ``from`` the driver error; anything else
+  library understands (capacity, a missing schema, an idempotency key hidden by the
+  caller's snapshot) becomes its typed error, raised ``from`` the driver error; anything else
   passes through untouched.
 """
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,7 +34,13 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.orm import Session, scoped_session
 
-from sqlalchemy_pgtask.errors import InvalidOptionError, PgTaskError, QueueFull
+from sqlalchemy_pgtask.errors import (
+    IdempotencyConflict,
+    InvalidOptionError,
+    PgTaskError,
+    QueueFull,
+    SchemaNotInstalled,
+)
 from sqlalchemy_pgtask.models import Task
 
 __all__ = [
@@ -180,32 +188,48 @@ def parse_task_id(value: object, field: str = "task_id") -> uuid.UUID:
         raise InvalidOptionError(field, f"{value!r} is not a UUID") from exc
 
 
-def _translate(driver_error: BaseException | None) -> PgTaskError | None:
+# Undefined table, schema or function: when the missing object is in schema pgtask, the
+# schema is not installed (or not completely). Names appear in the message as the statement
+# wrote them, schema-qualified: 'relation "pgtask.tasks" does not exist'.
+_MISSING_OBJECT: Final = frozenset({"42P01", "3F000", "42883"})
+_IN_PGTASK: Final = re.compile(r'(?<![\w$.])pgtask(?:\.|")')
+_SERIALIZATION_FAILURE: Final = "40001"
+
+
+def _translate(driver_error: BaseException | None, *, idempotent: bool) -> PgTaskError | None:
     """The library's error for a driver error it understands, or None to let it pass."""
     state = getattr(driver_error, "sqlstate", None)
     diag = getattr(driver_error, "diag", None)
     message = getattr(diag, "message_primary", None) or str(driver_error)
     if state == QueueFull.sqlstate:
         return QueueFull(message)
+    if state in _MISSING_OBJECT and _IN_PGTASK.search(message):
+        return SchemaNotInstalled(f"{SchemaNotInstalled()} The database said: {message}.")
+    if state == _SERIALIZATION_FAILURE and idempotent:
+        return IdempotencyConflict(f"{IdempotencyConflict()} The database said: {message}.")
     return None
 
 
 @contextmanager
-def translated_errors() -> Iterator[None]:
+def translated_errors(*, idempotent: bool = False) -> Iterator[None]:
     """Run the body, raising the library's typed error for a database error it understands.
 
     Used around every statement a client function runs, so each database error is translated
-    once, at the boundary, with the driver error attached as ``__cause__``.
+    once, at the boundary, with the driver error attached as ``__cause__``: PT001 is
+    `QueueFull`; an undefined table, schema or function in schema ``pgtask`` is
+    `SchemaNotInstalled`. With ``idempotent`` (the statement reserves idempotency keys), a
+    serialization failure is `IdempotencyConflict`: under REPEATABLE READ or SERIALIZABLE,
+    a key reserved by a transaction committed after this one's snapshot cannot be returned.
     """
     try:
         yield
     except DBAPIError as exc:
-        translated = _translate(exc.orig)
+        translated = _translate(exc.orig, idempotent=idempotent)
         if translated is None:
             raise
         raise translated from exc
     except psycopg.Error as exc:  # the waiters' own LISTEN connection speaks psycopg directly
-        translated = _translate(exc)
+        translated = _translate(exc, idempotent=idempotent)
         if translated is None:
             raise
         raise translated from exc

@@ -11,7 +11,7 @@ import uuid
 from typing import Any, Final
 
 import psycopg
-from sqlalchemy import URL, Engine, func, select, text
+from sqlalchemy import URL, Connection, Engine, func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_scoped_session
 from sqlalchemy.orm import Session, scoped_session
@@ -30,6 +30,7 @@ from sqlalchemy_pgtask._connection import (
     sync_bind,
     sync_engine,
     sync_session,
+    translated_errors,
 )
 from sqlalchemy_pgtask.errors import InvalidOptionError, TaskNotFound
 from sqlalchemy_pgtask.models import ACTIVE_STATES, TERMINAL_STATES, Queue, Task
@@ -63,7 +64,9 @@ _task_id = parse_task_id
 def get_task(session: Session | scoped_session[Any], task_id: uuid.UUID | str) -> Task | None:
     """The task with that id (a mapped `Task` in ``session``), or None."""
     target = sync_session(session, "get_task")
-    return target.get(Task, parse_task_id(task_id))
+    wanted = parse_task_id(task_id)
+    with translated_errors():
+        return target.get(Task, wanted)
 
 
 async def get_task_async(
@@ -71,7 +74,9 @@ async def get_task_async(
 ) -> Task | None:
     """`get_task` for an `AsyncSession`."""
     target = async_session(session, "get_task")
-    return await target.get(Task, parse_task_id(task_id))
+    wanted = parse_task_id(task_id)
+    with translated_errors():
+        return await target.get(Task, wanted)
 
 
 def _cancel_params(task_id: uuid.UUID | str) -> dict[str, uuid.UUID]:
@@ -88,7 +93,8 @@ def cancel(bind: SyncBind, task_id: uuid.UUID | str) -> str | None:
     """
     target = sync_bind(bind, "cancel")
     params = _cancel_params(task_id)
-    row = connection_of(target).execute(statements.CANCEL, params).first()
+    with translated_errors():
+        row = connection_of(target).execute(statements.CANCEL, params).first()
     return None if row is None else str(row.state)
 
 
@@ -97,7 +103,8 @@ async def cancel_async(bind: AsyncBind, task_id: uuid.UUID | str) -> str | None:
     target = async_bind(bind, "cancel")
     params = _cancel_params(task_id)
     connection = await async_connection_of(target)
-    row = (await connection.execute(statements.CANCEL, params)).first()
+    with translated_errors():
+        row = (await connection.execute(statements.CANCEL, params)).first()
     return None if row is None else str(row.state)
 
 
@@ -107,7 +114,8 @@ def listen_conninfo(url: URL) -> str:
 
 
 def _finished(session: Session, task_id: uuid.UUID) -> Task | None:
-    task = session.execute(select(Task).where(Task.id == task_id)).scalar_one_or_none()
+    with translated_errors():
+        task = session.execute(select(Task).where(Task.id == task_id)).scalar_one_or_none()
     if task is None:
         raise TaskNotFound(f"no task with id {task_id}")
     return task if task.state in TERMINAL_STATES else None
@@ -132,6 +140,7 @@ def wait_for_result(
         connecting.
     :raises TimeoutError: the task did not finish within ``timeout`` seconds.
     :raises TaskNotFound: there is no such task.
+    :raises SchemaNotInstalled: the database has no pgtask schema.
     :raises TypeError: ``engine`` is not an `Engine` (for an `AsyncEngine`, use
         `wait_for_result_async`).
     """
@@ -241,7 +250,11 @@ def configure_queue(
         values["paused_at"] = func.coalesce(Queue.paused_at, func.statement_timestamp()) if (
             paused
         ) else None
-    connection = connection_of(target)
+    with translated_errors():
+        return _write_settings(connection_of(target), name, values)
+
+
+def _write_settings(connection: Connection, name: str, values: dict[str, Any]) -> dict[str, Any]:
     current = connection.execute(
         select(Queue.max_outstanding_tasks).where(Queue.name == name).with_for_update()
     ).first()

@@ -166,6 +166,11 @@ class _Plan(NamedTuple):
     owners: list[int]
     returns_rows: bool
 
+    @property
+    def idempotent(self) -> bool:
+        """Whether the statement reserves idempotency keys."""
+        return self.statement is statements.ENQUEUE_BATCH_IDEMPOTENT
+
 
 def _plan_row(row: _Row) -> _Plan:
     if row.key is None:
@@ -278,7 +283,7 @@ def _validate_many(requests: Iterable[EnqueueRequest]) -> list[_Row]:
 
 
 def _execute(bind: Session | Connection, plan: _Plan) -> list[EnqueueResult]:
-    with translated_errors():
+    with translated_errors(idempotent=plan.idempotent):
         result = connection_of(bind).execute(plan.statement, plan.params)
         return _results(plan, result.all() if plan.returns_rows else None)
 
@@ -286,7 +291,7 @@ def _execute(bind: Session | Connection, plan: _Plan) -> list[EnqueueResult]:
 async def _execute_async(
     bind: AsyncSession | AsyncConnection, plan: _Plan
 ) -> list[EnqueueResult]:
-    with translated_errors():
+    with translated_errors(idempotent=plan.idempotent):
         result = await (await async_connection_of(bind)).execute(plan.statement, plan.params)
         return _results(plan, result.all() if plan.returns_rows else None)
 
@@ -326,6 +331,9 @@ def enqueue(
     :raises TypeError: ``bind`` is not a Session or Connection (an engine, or an async session:
         use `enqueue_async`), before any SQL runs.
     :raises QueueFull: the queue is at capacity (SQLSTATE PT001); the transaction is aborted.
+    :raises IdempotencyConflict: under REPEATABLE READ or SERIALIZABLE, the key was reserved by
+        a transaction committed after this one's snapshot; retry the whole transaction.
+    :raises SchemaNotInstalled: the database has no pgtask schema.
     """
     target = sync_bind(bind, "enqueue")
     plan = _plan_one(

@@ -87,12 +87,13 @@ class QueueFull(PgTaskError):
 
 
 class IdempotencyConflict(PgTaskError):
-    """An idempotency key was reserved by a transaction committed after this one's snapshot.
+    """The idempotency key was taken after this transaction's snapshot; retry the transaction.
 
-    Under REPEATABLE READ or SERIALIZABLE, PostgreSQL cannot return a reservation its snapshot
-    does not see (SQLSTATE 40001). Nothing was written; roll back and retry the whole
-    transaction, whose new snapshot sees the reservation, so the retry returns the existing
-    task with ``created=False``.
+    Under REPEATABLE READ or SERIALIZABLE, PostgreSQL cannot return a reservation committed by
+    a concurrent transaction after this one's snapshot (SQLSTATE 40001). The transaction is
+    aborted and nothing was written: roll back and retry the whole transaction, whose new
+    snapshot sees the reservation, so the retry returns the existing task with
+    ``created=False``.
     """
 
     sqlstate = "40001"

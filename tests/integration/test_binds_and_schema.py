@@ -1,10 +1,14 @@
-"""Every client function checks the kind of bind it is given before any SQL runs.
+"""Every client function checks its bind before any SQL, and names a missing schema.
 
 A synchronous function given an async session would return an un-awaited coroutine and write
 nothing; an async function given a ``Session`` used to run its INSERT and then fail; an engine
 has no transaction to join. Each is a `TypeError` naming what to pass instead, raised before
 any SQL, and the caller's transaction stays usable. Scoped sessions stand for their current
 session, without flushing it.
+
+Against a database without the pgtask schema, every client function raises
+`SchemaNotInstalled` (saying how to install it) from the driver's error, instead of a raw
+``ProgrammingError``.
 """
 
 from __future__ import annotations
@@ -16,19 +20,22 @@ from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import pytest
-from sqlalchemy import Connection, Engine, event, func, select
+from sqlalchemy import Connection, Engine, create_engine, event, func, select, text
+from sqlalchemy.exc import DBAPIError, ProgrammingError
 from sqlalchemy.ext.asyncio import (
     AsyncConnection,
     AsyncEngine,
     AsyncSession,
     async_scoped_session,
     async_sessionmaker,
+    create_async_engine,
 )
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 from sqlalchemy_pgtask import (
     EnqueueRequest,
     Queue,
+    SchemaNotInstalled,
     Task,
     cancel,
     cancel_async,
@@ -42,6 +49,7 @@ from sqlalchemy_pgtask import (
     wait_for_result,
     wait_for_result_async,
 )
+from sqlalchemy_pgtask._connection import translated_errors
 
 SyncCall = Callable[[Any], object]
 AsyncCall = Callable[[Any], Awaitable[object]]
@@ -225,3 +233,99 @@ async def test_an_async_scoped_session_stands_for_its_current_session_without_fl
     finally:
         await scoped.remove()
     assert task_names(pgtask_engine) == ["one", "two"]
+
+
+# -- the schema is not installed -----------------------------------------------------------
+
+INSTALL_HINT = r"run `pgtask migrate` or `alembic upgrade heads`"
+
+SYNC_ON_EMPTY: list[Any] = [
+    pytest.param(lambda e: _in_session(e, lambda s: enqueue(s, "t")), id="enqueue"),
+    pytest.param(lambda e: _in_session(e, lambda s: enqueue(s, "t", idempotency_key="k")),
+                 id="enqueue-idempotent"),
+    pytest.param(lambda e: _in_session(e, lambda s: enqueue_many(
+        s, [EnqueueRequest(name="a"), EnqueueRequest(name="b", priority=2)])),
+        id="enqueue_many"),
+    pytest.param(lambda e: _in_session(e, lambda s: get_task(s, uuid.uuid4())), id="get_task"),
+    pytest.param(lambda e: _in_session(e, lambda s: cancel(s, uuid.uuid4())), id="cancel"),
+    pytest.param(lambda e: _in_session(e, lambda s: configure_queue(s, "q", paused=True)),
+                 id="configure_queue"),
+    pytest.param(lambda e: wait_for_result(e, uuid.uuid4(), timeout=5), id="wait_for_result"),
+]
+ASYNC_ON_EMPTY: list[Any] = [
+    pytest.param(lambda s: enqueue_async(s, "t"), id="enqueue_async"),
+    pytest.param(lambda s: enqueue_many_async(s, [EnqueueRequest(name="a")]),
+                 id="enqueue_many_async"),
+    pytest.param(lambda s: get_task_async(s, uuid.uuid4()), id="get_task_async"),
+    pytest.param(lambda s: cancel_async(s, uuid.uuid4()), id="cancel_async"),
+]
+
+
+def _in_session(engine: Engine, call: Callable[[Session], object]) -> object:
+    with Session(engine) as session:
+        return call(session)
+
+
+def assert_schema_not_installed(error: SchemaNotInstalled) -> None:
+    cause = error.__cause__
+    assert isinstance(cause, DBAPIError)
+    assert getattr(cause.orig, "sqlstate", None) in {"42P01", "3F000", "42883"}
+
+
+@pytest.fixture
+def empty_engine(pgtask_empty_database_url: str) -> Iterator[Engine]:
+    engine = create_engine(pgtask_empty_database_url)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("call", SYNC_ON_EMPTY)
+def test_sync_functions_on_a_database_without_the_schema_say_how_to_install_it(
+    empty_engine: Engine, call: Callable[[Engine], object]
+) -> None:
+    with pytest.raises(SchemaNotInstalled, match=INSTALL_HINT) as caught:
+        call(empty_engine)
+    assert_schema_not_installed(caught.value)
+
+
+@pytest.mark.parametrize("call", ASYNC_ON_EMPTY)
+async def test_async_functions_on_a_database_without_the_schema_say_how_to_install_it(
+    pgtask_empty_database_url: str, call: AsyncCall
+) -> None:
+    engine = create_async_engine(pgtask_empty_database_url)
+    try:
+        async with AsyncSession(engine) as session:
+            with pytest.raises(SchemaNotInstalled, match=INSTALL_HINT) as caught:
+                await call(session)
+        assert_schema_not_installed(caught.value)
+        with pytest.raises(SchemaNotInstalled, match=INSTALL_HINT) as caught:
+            await wait_for_result_async(engine, uuid.uuid4(), timeout=5)
+        assert_schema_not_installed(caught.value)
+    finally:
+        await engine.dispose()
+
+
+def test_only_missing_objects_in_schema_pgtask_mean_the_schema_is_not_installed(
+    empty_engine: Engine,
+) -> None:
+    def run(sql: str) -> None:
+        with empty_engine.connect() as connection, translated_errors():
+            connection.execute(text(sql))
+
+    with pytest.raises(SchemaNotInstalled):  # 3F000: schema "pgtask" does not exist
+        run("SELECT pgtask.wake()")
+    with empty_engine.begin() as connection:
+        connection.execute(text("CREATE SCHEMA pgtask"))
+        connection.execute(text("CREATE TABLE pgtask_notes (id int)"))
+    with pytest.raises(SchemaNotInstalled):  # 42883: function pgtask.wake() does not exist
+        run("SELECT pgtask.wake()")
+    with pytest.raises(SchemaNotInstalled):  # 42P01, schema present but empty
+        run("SELECT * FROM pgtask.tasks")
+    # Someone else's missing objects pass through untouched.
+    for sql in ("SELECT * FROM public.orders", "SELECT wake()", "SELECT * FROM app.pgtask",
+                "DROP TABLE pgtask_missing", "SELECT * FROM mypgtask.tasks"):
+        with pytest.raises(ProgrammingError) as caught:
+            run(sql)
+        assert not isinstance(caught.value, SchemaNotInstalled), sql
