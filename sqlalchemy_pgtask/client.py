@@ -2,6 +2,7 @@
 
 `get_task` and `cancel` run in the caller's transaction (and never commit). The waiters open
 their own connection, because waiting needs ``LISTEN`` on a connection nobody else uses.
+Queue settings live in `queues` (``configure_queue`` is re-exported here for old imports).
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ import uuid
 from typing import Any, Final
 
 import psycopg
-from sqlalchemy import URL, Connection, Engine, func, select, text
-from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy import URL, Engine, select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_scoped_session
 from sqlalchemy.orm import Session, scoped_session
 
@@ -32,15 +32,12 @@ from sqlalchemy_pgtask._connection import (
     sync_session,
     translated_errors,
 )
-from sqlalchemy_pgtask.errors import InvalidOptionError, TaskNotFound
-from sqlalchemy_pgtask.models import ACTIVE_STATES, TERMINAL_STATES, Queue, Task
-from sqlalchemy_pgtask.validation import (
-    DURATION_MAX_SECONDS,
-    check_int_range,
-    check_poll_interval,
-    check_queue_name,
-    check_timeout,
-)
+from sqlalchemy_pgtask.errors import TaskNotFound
+from sqlalchemy_pgtask.models import TERMINAL_STATES, Task
+
+# Queue settings moved to `queues`; re-exported so existing imports keep working.
+from sqlalchemy_pgtask.queues import UNSET, configure_queue
+from sqlalchemy_pgtask.validation import check_poll_interval, check_timeout
 
 __all__ = [
     "UNSET",
@@ -199,90 +196,3 @@ async def wait_for_result_async(
             async for notification in listener.notifies(timeout=wait):
                 if notification.payload == str(wanted):
                     break
-
-
-class _Unset:
-    """Marks an option the caller did not pass (None is a meaningful value)."""
-
-    def __repr__(self) -> str:
-        return "UNSET"
-
-
-UNSET: Final = _Unset()
-
-
-def configure_queue(
-    bind: SyncBind,
-    name: str,
-    *,
-    max_outstanding_tasks: int | _Unset | None = UNSET,
-    terminal_retention_seconds: int | _Unset = UNSET,
-    idempotency_retention_seconds: int | _Unset = UNSET,
-    paused: bool | _Unset = UNSET,
-) -> dict[str, Any]:
-    """Create or change a queue's settings in ``bind``'s transaction; returns its row.
-
-    Only the options passed change. ``max_outstanding_tasks=None`` removes the capacity limit.
-    Retention settings are whole seconds from 0 to 100 years (`DURATION_MAX_SECONDS`).
-    Turning a limit on recounts the queue's outstanding tasks; to count exactly it briefly
-    takes a lock on ``pgtask.tasks`` that waits for in-flight writes and blocks new ones until
-    the caller commits, so commit promptly. A paused queue accepts enqueues but nothing is
-    claimed from it until it is resumed. Never commits.
-    """
-    target = sync_bind(bind, "configure_queue")
-    check_queue_name(name)
-    values: dict[str, Any] = {}
-    if not isinstance(max_outstanding_tasks, _Unset):
-        if max_outstanding_tasks is not None:
-            check_int_range("max_outstanding_tasks", max_outstanding_tasks, 1, 2**63 - 1)
-        values["max_outstanding_tasks"] = max_outstanding_tasks
-    for option, value in (
-        ("terminal_retention_seconds", terminal_retention_seconds),
-        ("idempotency_retention_seconds", idempotency_retention_seconds),
-    ):
-        if not isinstance(value, _Unset):
-            # Bounded so completed_at + make_interval(secs => ...) in the key-expiry trigger
-            # and retention cannot overflow when a task finishes, long after this call.
-            values[option] = check_int_range(option, value, 0, DURATION_MAX_SECONDS)
-    if not isinstance(paused, _Unset):
-        if not isinstance(paused, bool):
-            raise InvalidOptionError("paused", "must be a bool")
-        values["paused_at"] = func.coalesce(Queue.paused_at, func.statement_timestamp()) if (
-            paused
-        ) else None
-    with translated_errors():
-        return _write_settings(connection_of(target), name, values)
-
-
-def _write_settings(connection: Connection, name: str, values: dict[str, Any]) -> dict[str, Any]:
-    current = connection.execute(
-        select(Queue.max_outstanding_tasks).where(Queue.name == name).with_for_update()
-    ).first()
-    limiting = values.get("max_outstanding_tasks") is not None and (
-        current is None or current.max_outstanding_tasks is None
-    )
-    if limiting:
-        # Unlimited enqueues do not touch the counter; wait for them and hold new ones back.
-        connection.execute(text("LOCK TABLE pgtask.tasks IN SHARE ROW EXCLUSIVE MODE"))
-        values["outstanding_tasks"] = connection.execute(
-            select(func.count())
-            .select_from(Task)
-            .where(Task.queue == name, Task.state.in_(ACTIVE_STATES))
-        ).scalar_one()
-    elif "max_outstanding_tasks" in values and values["max_outstanding_tasks"] is None:
-        values["outstanding_tasks"] = 0
-    insert_values = {k: v for k, v in values.items() if k != "paused_at" or v is not None}
-    if "paused_at" in insert_values:
-        insert_values["paused_at"] = func.statement_timestamp()
-    statement = pg_insert(Queue).values(name=name, **insert_values)
-    if values:
-        statement = statement.on_conflict_do_update(
-            index_elements=[Queue.name],
-            set_={**values, "updated_at": func.statement_timestamp()},
-        )
-    else:
-        statement = statement.on_conflict_do_nothing(index_elements=[Queue.name])
-    connection.execute(statement)
-    queues = Queue.__table__
-    row = connection.execute(select(queues).where(queues.c.name == name)).mappings().one()
-    return dict(row)

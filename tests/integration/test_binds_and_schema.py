@@ -40,12 +40,15 @@ from sqlalchemy_pgtask import (
     cancel,
     cancel_async,
     configure_queue,
+    configure_queue_async,
     enqueue,
     enqueue_async,
     enqueue_many,
     enqueue_many_async,
     get_task,
     get_task_async,
+    list_queues,
+    list_queues_async,
     wait_for_result,
     wait_for_result_async,
 )
@@ -63,6 +66,7 @@ SYNC_CALLS: list[Any] = [
     pytest.param("cancel", lambda b: cancel(b, uuid.uuid4()), id="cancel"),
     pytest.param("get_task", lambda b: get_task(b, uuid.uuid4()), id="get_task"),
     pytest.param("configure_queue", lambda b: configure_queue(b, "q"), id="configure_queue"),
+    pytest.param("list_queues", list_queues, id="list_queues"),
 ]
 ASYNC_CALLS: list[Any] = [
     pytest.param("enqueue", lambda b: enqueue_async(b, "t"), id="enqueue_async"),
@@ -70,6 +74,9 @@ ASYNC_CALLS: list[Any] = [
                  id="enqueue_many_async"),
     pytest.param("cancel", lambda b: cancel_async(b, uuid.uuid4()), id="cancel_async"),
     pytest.param("get_task", lambda b: get_task_async(b, uuid.uuid4()), id="get_task_async"),
+    pytest.param("configure_queue", lambda b: configure_queue_async(b, "q"),
+                 id="configure_queue_async"),
+    pytest.param("list_queues", list_queues_async, id="list_queues_async"),
 ]
 
 
@@ -207,6 +214,7 @@ def test_a_scoped_session_stands_for_its_current_session_without_flushing_it(
         enqueue_many(scoped, [EnqueueRequest(name="two")])
         assert cancel(scoped, uuid.uuid4()) is None
         configure_queue(scoped, "settings")
+        assert [q.name for q in list_queues(scoped)] == ["settings"]
         assert scoped.new, "the caller's pending object was flushed"
         scoped.commit()
         assert get_task(scoped, task_id) is scoped.get(Task, task_id)
@@ -250,6 +258,7 @@ SYNC_ON_EMPTY: list[Any] = [
     pytest.param(lambda e: _in_session(e, lambda s: cancel(s, uuid.uuid4())), id="cancel"),
     pytest.param(lambda e: _in_session(e, lambda s: configure_queue(s, "q", paused=True)),
                  id="configure_queue"),
+    pytest.param(lambda e: _in_session(e, list_queues), id="list_queues"),
     pytest.param(lambda e: wait_for_result(e, uuid.uuid4(), timeout=5), id="wait_for_result"),
 ]
 ASYNC_ON_EMPTY: list[Any] = [
@@ -258,6 +267,9 @@ ASYNC_ON_EMPTY: list[Any] = [
                  id="enqueue_many_async"),
     pytest.param(lambda s: get_task_async(s, uuid.uuid4()), id="get_task_async"),
     pytest.param(lambda s: cancel_async(s, uuid.uuid4()), id="cancel_async"),
+    pytest.param(lambda s: configure_queue_async(s, "q", max_outstanding_tasks=None),
+                 id="configure_queue_async"),
+    pytest.param(list_queues_async, id="list_queues_async"),
 ]
 
 
