@@ -6,8 +6,8 @@ PostgreSQL through this module, so three things are decided once:
 * **which connection**: the one of the caller's current transaction (`connection_of`), taken
   from a ``Session`` without flushing the caller's pending objects. The wrong kind of bind (an
   engine, or an async session given to a synchronous function) is a `TypeError` raised before
-  any SQL, naming what to pass instead: silently accepting one either writes nothing (an
-  un-awaited coroutine) or writes outside the caller's transaction;
+  any SQL, naming what to pass instead: accepting one would write nothing (an un-awaited
+  coroutine), or run the statement and only then fail;
 * **what a task id is** (`parse_task_id`) and the names of the notification channels;
 * **what a database error means** to the caller (`translated_errors`): a driver error the
   library understands (capacity, a missing schema, an idempotency key hidden by the
