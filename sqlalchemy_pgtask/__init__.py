@@ -21,7 +21,6 @@ from importlib.metadata import version as _version
 from sqlalchemy_pgtask.client import (
     cancel,
     cancel_async,
-    configure_queue,
     get_task,
     get_task_async,
     wait_for_result,
@@ -38,6 +37,7 @@ from sqlalchemy_pgtask.enqueue import (
     enqueue_many_async,
 )
 from sqlalchemy_pgtask.errors import (
+    IdempotencyConflict,
     InvalidNameError,
     InvalidOptionError,
     PayloadError,
@@ -59,6 +59,13 @@ from sqlalchemy_pgtask.models import (
     WorkerRecord,
     metadata,
 )
+from sqlalchemy_pgtask.queues import (
+    QueueSettings,
+    configure_queue,
+    configure_queue_async,
+    list_queues,
+    list_queues_async,
+)
 from sqlalchemy_pgtask.registry import Registry, TaskDefinition
 from sqlalchemy_pgtask.retry import RetryPolicy
 from sqlalchemy_pgtask.worker import Worker, WorkerOptions
@@ -74,6 +81,7 @@ __all__ = [
     "EnqueueResult",
     "Fail",
     "HandlerPolicy",
+    "IdempotencyConflict",
     "IdempotencyKey",
     "InvalidNameError",
     "InvalidOptionError",
@@ -83,6 +91,7 @@ __all__ = [
     "PolicyConflict",
     "Queue",
     "QueueFull",
+    "QueueSettings",
     "Registry",
     "Retry",
     "RetryPolicy",
@@ -102,12 +111,15 @@ __all__ = [
     "cancel",
     "cancel_async",
     "configure_queue",
+    "configure_queue_async",
     "enqueue",
     "enqueue_async",
     "enqueue_many",
     "enqueue_many_async",
     "get_task",
     "get_task_async",
+    "list_queues",
+    "list_queues_async",
     "metadata",
     "wait_for_result",
     "wait_for_result_async",

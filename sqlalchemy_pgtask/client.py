@@ -2,6 +2,7 @@
 
 `get_task` and `cancel` run in the caller's transaction (and never commit). The waiters open
 their own connection, because waiting needs ``LISTEN`` on a connection nobody else uses.
+Queue settings live in `queues` (``configure_queue`` is re-exported here for old imports).
 """
 
 from __future__ import annotations
@@ -11,16 +12,32 @@ import uuid
 from typing import Any, Final
 
 import psycopg
-from sqlalchemy import URL, Engine, func, select, text
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
-from sqlalchemy.orm import Session
+from sqlalchemy import URL, Engine, select
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_scoped_session
+from sqlalchemy.orm import Session, scoped_session
 
 from sqlalchemy_pgtask import statements
-from sqlalchemy_pgtask.enqueue import AsyncBind, SyncBind, async_connection_of, connection_of
-from sqlalchemy_pgtask.errors import InvalidOptionError, TaskNotFound
-from sqlalchemy_pgtask.models import ACTIVE_STATES, TERMINAL_STATES, Queue, Task
-from sqlalchemy_pgtask.validation import check_int_range, check_queue_name
+from sqlalchemy_pgtask._connection import (
+    RESULT_CHANNEL,
+    AsyncBind,
+    SyncBind,
+    async_bind,
+    async_connection_of,
+    async_engine,
+    async_session,
+    connection_of,
+    parse_task_id,
+    sync_bind,
+    sync_engine,
+    sync_session,
+    translated_errors,
+)
+from sqlalchemy_pgtask.errors import TaskNotFound
+from sqlalchemy_pgtask.models import TERMINAL_STATES, Task
+
+# Queue settings moved to `queues`; re-exported so existing imports keep working.
+from sqlalchemy_pgtask.queues import UNSET, configure_queue
+from sqlalchemy_pgtask.validation import check_poll_interval, check_timeout
 
 __all__ = [
     "UNSET",
@@ -33,32 +50,34 @@ __all__ = [
     "wait_for_result_async",
 ]
 
-RESULT_CHANNEL: Final = "pgtask_result"
 #: How often a waiter re-reads the task even without a notification (a missed one, say).
 DEFAULT_POLL_INTERVAL: Final = 1.0
 
 
-def _task_id(value: uuid.UUID | str) -> uuid.UUID:
-    if isinstance(value, uuid.UUID):
-        return value
-    try:
-        return uuid.UUID(str(value))
-    except ValueError as exc:
-        raise InvalidOptionError("task_id", f"{value!r} is not a UUID") from exc
+#: The CLI's name for `parse_task_id`, kept until it imports the seam's.
+_task_id = parse_task_id
 
 
-def get_task(session: Session, task_id: uuid.UUID | str) -> Task | None:
+def get_task(session: Session | scoped_session[Any], task_id: uuid.UUID | str) -> Task | None:
     """The task with that id (a mapped `Task` in ``session``), or None."""
-    return session.get(Task, _task_id(task_id))
+    target = sync_session(session, "get_task")
+    wanted = parse_task_id(task_id)
+    with translated_errors():
+        return target.get(Task, wanted)
 
 
-async def get_task_async(session: AsyncSession, task_id: uuid.UUID | str) -> Task | None:
+async def get_task_async(
+    session: AsyncSession | async_scoped_session[Any], task_id: uuid.UUID | str
+) -> Task | None:
     """`get_task` for an `AsyncSession`."""
-    return await session.get(Task, _task_id(task_id))
+    target = async_session(session, "get_task")
+    wanted = parse_task_id(task_id)
+    with translated_errors():
+        return await target.get(Task, wanted)
 
 
 def _cancel_params(task_id: uuid.UUID | str) -> dict[str, uuid.UUID]:
-    return {"task_id": _task_id(task_id)}
+    return {"task_id": parse_task_id(task_id)}
 
 
 def cancel(bind: SyncBind, task_id: uuid.UUID | str) -> str | None:
@@ -69,14 +88,20 @@ def cancel(bind: SyncBind, task_id: uuid.UUID | str) -> str | None:
     and the task ends cancelled; no success or retry is recorded after the request. Returns
     None when the task does not exist or had already finished. Never commits.
     """
-    row = connection_of(bind).execute(statements.CANCEL, _cancel_params(task_id)).first()
+    target = sync_bind(bind, "cancel")
+    params = _cancel_params(task_id)
+    with translated_errors():
+        row = connection_of(target).execute(statements.CANCEL, params).first()
     return None if row is None else str(row.state)
 
 
 async def cancel_async(bind: AsyncBind, task_id: uuid.UUID | str) -> str | None:
     """`cancel` for an `AsyncSession` or `AsyncConnection`."""
-    connection = await async_connection_of(bind)
-    row = (await connection.execute(statements.CANCEL, _cancel_params(task_id))).first()
+    target = async_bind(bind, "cancel")
+    params = _cancel_params(task_id)
+    connection = await async_connection_of(target)
+    with translated_errors():
+        row = (await connection.execute(statements.CANCEL, params)).first()
     return None if row is None else str(row.state)
 
 
@@ -86,7 +111,8 @@ def listen_conninfo(url: URL) -> str:
 
 
 def _finished(session: Session, task_id: uuid.UUID) -> Task | None:
-    task = session.execute(select(Task).where(Task.id == task_id)).scalar_one_or_none()
+    with translated_errors():
+        task = session.execute(select(Task).where(Task.id == task_id)).scalar_one_or_none()
     if task is None:
         raise TaskNotFound(f"no task with id {task_id}")
     return task if task.state in TERMINAL_STATES else None
@@ -105,10 +131,20 @@ def wait_for_result(
     wait still wakes it. Notifications are hints; it re-reads at least every
     ``poll_interval`` seconds, so a lost notification only costs latency.
 
+    :param timeout: seconds to wait at most; None (or ``inf``) waits for ever.
+    :param poll_interval: the longest gap between two reads, in seconds (> 0).
+    :raises ValidationError: a bad ``task_id``, ``timeout`` or ``poll_interval``, before
+        connecting.
     :raises TimeoutError: the task did not finish within ``timeout`` seconds.
     :raises TaskNotFound: there is no such task.
+    :raises SchemaNotInstalled: the database has no pgtask schema.
+    :raises TypeError: ``engine`` is not an `Engine` (for an `AsyncEngine`, use
+        `wait_for_result_async`).
     """
-    wanted = _task_id(task_id)
+    engine = sync_engine(engine, "wait_for_result")
+    wanted = parse_task_id(task_id)
+    timeout = check_timeout("timeout", timeout)
+    poll_interval = check_poll_interval("poll_interval", poll_interval)
     deadline = None if timeout is None else time.monotonic() + timeout
     with psycopg.connect(listen_conninfo(engine.url), autocommit=True) as listener:
         listener.execute(f"LISTEN {RESULT_CHANNEL}")
@@ -136,7 +172,10 @@ async def wait_for_result_async(
     poll_interval: float = DEFAULT_POLL_INTERVAL,
 ) -> Task:
     """`wait_for_result` for an `AsyncEngine`."""
-    wanted = _task_id(task_id)
+    engine = async_engine(engine, "wait_for_result")
+    wanted = parse_task_id(task_id)
+    timeout = check_timeout("timeout", timeout)
+    poll_interval = check_poll_interval("poll_interval", poll_interval)
     deadline = None if timeout is None else time.monotonic() + timeout
     listener = await psycopg.AsyncConnection.connect(
         listen_conninfo(engine.url), autocommit=True
@@ -157,82 +196,3 @@ async def wait_for_result_async(
             async for notification in listener.notifies(timeout=wait):
                 if notification.payload == str(wanted):
                     break
-
-
-class _Unset:
-    """Marks an option the caller did not pass (None is a meaningful value)."""
-
-    def __repr__(self) -> str:
-        return "UNSET"
-
-
-UNSET: Final = _Unset()
-
-
-def configure_queue(
-    bind: SyncBind,
-    name: str,
-    *,
-    max_outstanding_tasks: int | _Unset | None = UNSET,
-    terminal_retention_seconds: int | _Unset = UNSET,
-    idempotency_retention_seconds: int | _Unset = UNSET,
-    paused: bool | _Unset = UNSET,
-) -> dict[str, Any]:
-    """Create or change a queue's settings in ``bind``'s transaction; returns its row.
-
-    Only the options passed change. ``max_outstanding_tasks=None`` removes the capacity limit.
-    Turning a limit on recounts the queue's outstanding tasks; to count exactly it briefly
-    takes a lock on ``pgtask.tasks`` that waits for in-flight writes and blocks new ones until
-    the caller commits, so commit promptly. A paused queue accepts enqueues but nothing is
-    claimed from it until it is resumed. Never commits.
-    """
-    check_queue_name(name)
-    values: dict[str, Any] = {}
-    if not isinstance(max_outstanding_tasks, _Unset):
-        if max_outstanding_tasks is not None:
-            check_int_range("max_outstanding_tasks", max_outstanding_tasks, 1, 2**63 - 1)
-        values["max_outstanding_tasks"] = max_outstanding_tasks
-    for option, value in (
-        ("terminal_retention_seconds", terminal_retention_seconds),
-        ("idempotency_retention_seconds", idempotency_retention_seconds),
-    ):
-        if not isinstance(value, _Unset):
-            values[option] = check_int_range(option, value, 0, 2**63 - 1)
-    if not isinstance(paused, _Unset):
-        if not isinstance(paused, bool):
-            raise InvalidOptionError("paused", "must be a bool")
-        values["paused_at"] = func.coalesce(Queue.paused_at, func.statement_timestamp()) if (
-            paused
-        ) else None
-    connection = connection_of(bind)
-    current = connection.execute(
-        select(Queue.max_outstanding_tasks).where(Queue.name == name).with_for_update()
-    ).first()
-    limiting = values.get("max_outstanding_tasks") is not None and (
-        current is None or current.max_outstanding_tasks is None
-    )
-    if limiting:
-        # Unlimited enqueues do not touch the counter; wait for them and hold new ones back.
-        connection.execute(text("LOCK TABLE pgtask.tasks IN SHARE ROW EXCLUSIVE MODE"))
-        values["outstanding_tasks"] = connection.execute(
-            select(func.count())
-            .select_from(Task)
-            .where(Task.queue == name, Task.state.in_(ACTIVE_STATES))
-        ).scalar_one()
-    elif "max_outstanding_tasks" in values and values["max_outstanding_tasks"] is None:
-        values["outstanding_tasks"] = 0
-    insert_values = {k: v for k, v in values.items() if k != "paused_at" or v is not None}
-    if "paused_at" in insert_values:
-        insert_values["paused_at"] = func.statement_timestamp()
-    statement = pg_insert(Queue).values(name=name, **insert_values)
-    if values:
-        statement = statement.on_conflict_do_update(
-            index_elements=[Queue.name],
-            set_={**values, "updated_at": func.statement_timestamp()},
-        )
-    else:
-        statement = statement.on_conflict_do_nothing(index_elements=[Queue.name])
-    connection.execute(statement)
-    queues = Queue.__table__
-    row = connection.execute(select(queues).where(queues.c.name == name)).mappings().one()
-    return dict(row)

@@ -20,7 +20,7 @@ class Fail(Exception):
 
 
 class Retry(Exception):
-    """Fail this attempt and retry; ``delay`` (seconds) overrides the retry policy's delay.
+    """Fail this attempt and retry; ``delay`` (seconds, at most 100 years) overrides the policy's.
 
     The attempt still counts against ``max_attempts``: when none remain, the task fails.
     """

@@ -2,9 +2,10 @@
 
 A task enqueued here exists exactly when the caller's transaction commits: if the business
 transaction rolls back, so does the task. Works with a `Session` or a `Connection`, and the
-``*_async`` twins with an `AsyncSession` or an `AsyncConnection`. Every argument is validated
-before any SQL runs, so bad input raises a `ValidationError` and leaves the caller's
-transaction untouched and usable.
+``*_async`` twins with an `AsyncSession` or an `AsyncConnection` (scoped sessions stand for
+their current session). Every argument, the bind's kind included, is checked before any SQL
+runs, so bad input raises a `ValidationError` (a wrong bind a `TypeError`) and leaves the
+caller's transaction untouched and usable.
 """
 
 from __future__ import annotations
@@ -18,22 +19,30 @@ from datetime import datetime, timedelta
 from typing import Any, Final, NamedTuple
 
 from sqlalchemy import Connection, Executable
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
 from sqlalchemy_pgtask import statements
-from sqlalchemy_pgtask.errors import InvalidOptionError, QueueFull
-from sqlalchemy_pgtask.models import Task
+from sqlalchemy_pgtask._connection import (
+    AsyncBind,
+    SyncBind,
+    async_bind,
+    async_connection_of,
+    connection_of,
+    sync_bind,
+    translated_errors,
+)
+from sqlalchemy_pgtask.errors import InvalidOptionError
 from sqlalchemy_pgtask.validation import (
     INT2_MAX,
     INT2_MIN,
     INT4_MAX,
     PAYLOAD_MAX_BYTES,
+    check_delay,
     check_idempotency_key,
     check_int_range,
     check_queue_name,
-    check_seconds,
+    check_run_at,
     check_task_name,
     dump_headers,
     dump_json,
@@ -52,9 +61,6 @@ __all__ = [
 
 DEFAULT_QUEUE: Final = "default"
 DEFAULT_MAX_ATTEMPTS: Final = 5
-
-SyncBind = Session | Connection
-AsyncBind = AsyncSession | AsyncConnection
 
 
 class EnqueueResult(NamedTuple):
@@ -132,21 +138,8 @@ def _validate(request: EnqueueRequest, task_id: uuid.UUID, prefix: str = "") -> 
     )
     if request.run_at is not None and request.delay is not None:
         raise InvalidOptionError(where("run_at"), "give either run_at or delay, not both")
-    run_at = request.run_at
-    if run_at is not None:
-        if not isinstance(run_at, datetime):
-            raise InvalidOptionError(
-                where("run_at"), f"must be a datetime, got {type(run_at).__name__}"
-            )
-        if run_at.tzinfo is None or run_at.utcoffset() is None:
-            raise InvalidOptionError(
-                where("run_at"), "must be timezone-aware (a naive datetime is ambiguous)"
-            )
-    delay = request.delay
-    seconds = 0.0
-    if delay is not None:
-        raw = delay.total_seconds() if isinstance(delay, timedelta) else delay
-        seconds = check_seconds(where("delay"), raw)
+    run_at = None if request.run_at is None else check_run_at(where("run_at"), request.run_at)
+    seconds = 0.0 if request.delay is None else check_delay(where("delay"), request.delay)
     return _Row(
         id=task_id,
         queue=queue,
@@ -172,6 +165,11 @@ class _Plan(NamedTuple):
     #: request in the batch with the same queue and idempotency key).
     owners: list[int]
     returns_rows: bool
+
+    @property
+    def idempotent(self) -> bool:
+        """Whether the statement reserves idempotency keys."""
+        return self.statement is statements.ENQUEUE_BATCH_IDEMPOTENT
 
 
 def _plan_row(row: _Row) -> _Plan:
@@ -284,53 +282,18 @@ def _validate_many(requests: Iterable[EnqueueRequest]) -> list[_Row]:
     return rows
 
 
-def _queue_full(exc: DBAPIError) -> QueueFull | None:
-    if getattr(exc.orig, "sqlstate", None) == QueueFull.sqlstate:
-        diag = getattr(exc.orig, "diag", None)
-        message = getattr(diag, "message_primary", None) or str(exc.orig)
-        return QueueFull(message)
-    return None
-
-
-# Executing through a Session would autoflush the caller's pending objects; the session's
-# connection joins the same transaction without flushing anything.
-_BIND_ARGUMENTS: Final = {"mapper": Task}
-
-
-def connection_of(bind: SyncBind) -> Connection:
-    """The connection of ``bind``'s current transaction (begun if needed), without a flush."""
-    if isinstance(bind, Session):
-        return bind.connection(bind_arguments=_BIND_ARGUMENTS)
-    return bind
-
-
-async def async_connection_of(bind: AsyncBind) -> AsyncConnection:
-    """`connection_of` for an `AsyncSession` or `AsyncConnection`."""
-    if isinstance(bind, AsyncSession):
-        return await bind.connection(bind_arguments=_BIND_ARGUMENTS)
-    return bind
-
-
-def _execute(bind: SyncBind, plan: _Plan) -> list[EnqueueResult]:
-    try:
+def _execute(bind: Session | Connection, plan: _Plan) -> list[EnqueueResult]:
+    with translated_errors(idempotent=plan.idempotent):
         result = connection_of(bind).execute(plan.statement, plan.params)
-    except DBAPIError as exc:
-        full = _queue_full(exc)
-        if full is not None:
-            raise full from exc
-        raise
-    return _results(plan, result.all() if plan.returns_rows else None)
+        return _results(plan, result.all() if plan.returns_rows else None)
 
 
-async def _execute_async(bind: AsyncBind, plan: _Plan) -> list[EnqueueResult]:
-    try:
+async def _execute_async(
+    bind: AsyncSession | AsyncConnection, plan: _Plan
+) -> list[EnqueueResult]:
+    with translated_errors(idempotent=plan.idempotent):
         result = await (await async_connection_of(bind)).execute(plan.statement, plan.params)
-    except DBAPIError as exc:
-        full = _queue_full(exc)
-        if full is not None:
-            raise full from exc
-        raise
-    return _results(plan, result.all() if plan.returns_rows else None)
+        return _results(plan, result.all() if plan.returns_rows else None)
 
 
 def enqueue(
@@ -356,23 +319,29 @@ def enqueue(
     :param payload: any JSON-serialisable value, at most 1 MiB as JSON.
     :param queue: the queue to add it to.
     :param version: the handler version that must run it.
-    :param run_at: the earliest time it may run (timezone-aware).
+    :param run_at: the earliest time it may run (timezone-aware, years 1 to 9999 in UTC).
     :param delay: or, instead of ``run_at``, seconds (or a timedelta) from now, where "now" is
-        the database's clock, never this process's.
+        the database's clock, never this process's; at most 100 years.
     :param priority: higher runs first within a queue (-32768 to 32767).
     :param max_attempts: how many failed attempts it gets before it fails for good.
     :param idempotency_key: at most one task per key and queue exists until the key expires;
         a duplicate returns the existing task's id with ``created=False``.
     :param headers: a JSON object of metadata (trace context, correlation ids), at most 64 KiB.
     :raises ValidationError: on bad input, before any SQL runs.
+    :raises TypeError: ``bind`` is not a Session or Connection (an engine, or an async session:
+        use `enqueue_async`), before any SQL runs.
     :raises QueueFull: the queue is at capacity (SQLSTATE PT001); the transaction is aborted.
+    :raises IdempotencyConflict: under REPEATABLE READ or SERIALIZABLE, the key was reserved by
+        a transaction committed after this one's snapshot; retry the whole transaction.
+    :raises SchemaNotInstalled: the database has no pgtask schema.
     """
+    target = sync_bind(bind, "enqueue")
     plan = _plan_one(
         name, payload, queue=queue, version=version, run_at=run_at, delay=delay,
         priority=priority, max_attempts=max_attempts, idempotency_key=idempotency_key,
         headers=headers,
     )
-    return _execute(bind, plan)[0]
+    return _execute(target, plan)[0]
 
 
 async def enqueue_async(
@@ -390,12 +359,13 @@ async def enqueue_async(
     headers: Mapping[str, Any] | None = None,
 ) -> EnqueueResult:
     """`enqueue` for an `AsyncSession` or an `AsyncConnection`; the same guarantees."""
+    target = async_bind(bind, "enqueue")
     plan = _plan_one(
         name, payload, queue=queue, version=version, run_at=run_at, delay=delay,
         priority=priority, max_attempts=max_attempts, idempotency_key=idempotency_key,
         headers=headers,
     )
-    return (await _execute_async(bind, plan))[0]
+    return (await _execute_async(target, plan))[0]
 
 
 def enqueue_many(bind: SyncBind, requests: Iterable[EnqueueRequest]) -> list[EnqueueResult]:
@@ -405,17 +375,19 @@ def enqueue_many(bind: SyncBind, requests: Iterable[EnqueueRequest]) -> list[Enq
     Results come back in request order. Two requests with the same queue and idempotency key
     yield one task: the later one reports ``created=False``.
     """
+    target = sync_bind(bind, "enqueue_many")
     rows = _validate_many(requests)
     if not rows:
         return []
-    return _execute(bind, _plan_many(rows))
+    return _execute(target, _plan_many(rows))
 
 
 async def enqueue_many_async(
     bind: AsyncBind, requests: Iterable[EnqueueRequest]
 ) -> list[EnqueueResult]:
     """`enqueue_many` for an `AsyncSession` or an `AsyncConnection`."""
+    target = async_bind(bind, "enqueue_many")
     rows = _validate_many(requests)
     if not rows:
         return []
-    return await _execute_async(bind, _plan_many(rows))
+    return await _execute_async(target, _plan_many(rows))

@@ -8,6 +8,8 @@ The tree::
      │    ├── PayloadError                      not JSON, too large, or contains NUL characters
      │    └── InvalidOptionError                an option out of range or contradicting another
      ├── QueueFull                              SQLSTATE PT001: the queue is at capacity
+     ├── IdempotencyConflict                    SQLSTATE 40001: the key was taken by a
+     │                                          transaction this one's snapshot cannot see
      ├── SchemaNotInstalled                     the pgtask schema is missing or out of date
      ├── TaskNotFound                           no task with that id
      ├── WorkerCrashed                          an internal loop of a worker failed; the
@@ -18,12 +20,15 @@ The tree::
                                                 (tests and the demo only)
 
 Database errors are wrapped once, at the boundary where they are understood, with
-``raise ... from exc`` so the original driver error stays attached.
+``raise ... from exc`` so the original driver error stays attached. Passing the wrong kind of
+bind (an ``Engine``, or an ``AsyncSession`` to a synchronous function) is a programming error,
+not bad data: it raises the built-in ``TypeError``, before any SQL runs.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "IdempotencyConflict",
     "InvalidNameError",
     "InvalidOptionError",
     "PayloadError",
@@ -82,6 +87,19 @@ class QueueFull(PgTaskError):
     """
 
     sqlstate = "PT001"
+
+
+class IdempotencyConflict(PgTaskError):
+    """The idempotency key was taken after this transaction's snapshot; retry the transaction.
+
+    Under REPEATABLE READ or SERIALIZABLE, PostgreSQL cannot return a reservation committed by
+    a concurrent transaction after this one's snapshot (SQLSTATE 40001). The transaction is
+    aborted and nothing was written: roll back and retry the whole transaction, whose new
+    snapshot sees the reservation, so the retry returns the existing task with
+    ``created=False``.
+    """
+
+    sqlstate = "40001"
 
 
 class SchemaNotInstalled(PgTaskError):

@@ -22,14 +22,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Final, Generic, TypeVar
 
+from sqlalchemy_pgtask._connection import AsyncBind, SyncBind
 from sqlalchemy_pgtask.context import TaskContext
 from sqlalchemy_pgtask.enqueue import (
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_QUEUE,
-    AsyncBind,
     EnqueueRequest,
     EnqueueResult,
-    SyncBind,
     enqueue,
     enqueue_async,
 )
@@ -185,6 +184,13 @@ class Registry:
             raise InvalidOptionError("retry", "must be a RetryPolicy")
         if not callable(definition.handler):
             raise InvalidOptionError("handler", "must be callable")
+        if not isinstance(definition.non_retryable, tuple):
+            # A bare class is a common slip for (ValueError,); catch it here, not mid-task.
+            raise InvalidOptionError(
+                "non_retryable",
+                f"must be a tuple of exception types, got {definition.non_retryable!r}"
+                " (write non_retryable=(ValueError,) for one type)",
+            )
         for exc_type in definition.non_retryable:
             if not (isinstance(exc_type, type) and issubclass(exc_type, BaseException)):
                 raise InvalidOptionError("non_retryable", f"{exc_type!r} is not an exception type")

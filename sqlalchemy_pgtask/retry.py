@@ -4,6 +4,10 @@ A policy decides *when* a failed task runs again; ``max_attempts`` (on the task)
 many times*. The delay is computed from the number of failed attempts only, so a workflow that
 suspends (sleeps, waits) many times is never pushed into a long backoff or out of retries.
 
+Delays and caps are at most `DURATION_MAX_SECONDS` (100 years): the worker adds them to the
+database's clock, where a larger one would overflow when the failure is recorded, long after
+the policy was written.
+
 Every policy applies **full jitter** by default: the delay is drawn uniformly from
 ``[0, ceiling]``, which spreads a burst of failures (a dependency outage) over the whole window
 instead of retrying them in lock-step.
@@ -76,6 +80,11 @@ class RetryPolicy:
             if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)):
                 raise InvalidOptionError("retry.factor", "must be a number")
             object.__setattr__(self, "factor", float(self.factor))
+        # Stored in a boolean column and compared for conflicts: 'no' must not mean True.
+        if not isinstance(self.jitter, bool):
+            raise InvalidOptionError(
+                "retry.jitter", f"must be a bool, got {type(self.jitter).__name__}"
+            )
         if self.kind == "never":
             if (self.base_seconds, self.factor, self.max_seconds) != (None, None, None):
                 raise InvalidOptionError("retry", "a 'never' policy takes no delays")

@@ -12,11 +12,13 @@ import json
 import math
 import re
 from collections.abc import Mapping
+from datetime import datetime, timedelta, timezone
 from typing import Any, Final
 
 from sqlalchemy_pgtask.errors import InvalidNameError, InvalidOptionError, PayloadError
 
 __all__ = [
+    "DURATION_MAX_SECONDS",
     "ERROR_MAX_BYTES",
     "HEADERS_MAX_BYTES",
     "IDEMPOTENCY_KEY_MAX_BYTES",
@@ -25,12 +27,18 @@ __all__ = [
     "QUEUE_NAME_MAX_BYTES",
     "RESULT_MAX_BYTES",
     "TASK_NAME_MAX_BYTES",
+    "check_delay",
     "check_idempotency_key",
     "check_int_range",
+    "check_poll_interval",
     "check_queue_name",
+    "check_run_at",
+    "check_seconds",
     "check_task_name",
+    "check_timeout",
     "dump_headers",
     "dump_json",
+    "jsonb_text_size",
 ]
 
 #: Names of queues and tasks: ASCII letters, digits and ``. _ : -``; the same regex is a CHECK.
@@ -49,7 +57,20 @@ INT4_MAX: Final = 2**31 - 1
 INT2_MIN: Final = -(2**15)
 INT2_MAX: Final = 2**15 - 1
 
-_NAME_RE: Final = re.compile(NAME_PATTERN)
+#: The longest duration the library accepts: enqueue delays, retry delays and caps, and queue
+#: retention settings. One hundred (Julian) years is far beyond any real schedule, yet keeps
+#: every deadline computed from it (``statement_timestamp() + make_interval(secs => ...)``,
+#: by the enqueue, the worker's retries and the key-expiry trigger) inside what PostgreSQL's
+#: ``interval`` and ``timestamptz`` can hold and what Python's `datetime` can read back
+#: (years 1 to 9999). Without a bound, a huge value is accepted here and overflows later, in
+#: the worker or a trigger, far from the mistake.
+DURATION_MAX_SECONDS: Final = 36525 * 24 * 3600  # 100 years of 365.25 days
+
+_TOO_LONG: Final = f"must be at most {DURATION_MAX_SECONDS} seconds (100 years)"
+
+# NAME_PATTERN is also a POSIX regex in a CHECK; in Python ``$`` also matches before a final
+# newline, so the Python check matches the whole string instead.
+_NAME_RE: Final = re.compile(NAME_PATTERN.removeprefix("^").removesuffix("$"))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -57,7 +78,7 @@ def _name_problem(value: str, max_bytes: int) -> str | None:
     """Why ``value`` is not a valid name, or None. Cached: a batch repeats a few names."""
     if not value:
         return "must not be empty"
-    if not _NAME_RE.match(value):
+    if not _NAME_RE.fullmatch(value):
         return f"{value!r} may only contain ASCII letters, digits, '.', '_', ':' and '-'"
     if len(value) > max_bytes:  # ASCII only at this point, so characters are bytes
         return f"is {len(value)} bytes long; the limit is {max_bytes}"
@@ -91,7 +112,14 @@ def check_idempotency_key(value: object, field: str = "idempotency_key") -> str:
         raise InvalidNameError(field, "must not be empty")
     if "\x00" in value:
         raise InvalidNameError(field, "must not contain NUL characters")
-    size = len(value.encode("utf-8", "surrogatepass"))
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        # A lone surrogate cannot be sent as UTF-8: the driver would fail mid-transaction.
+        raise InvalidNameError(
+            field, f"is not valid UTF-8 (unpaired surrogate at index {exc.start})"
+        ) from exc
+    size = len(value.encode("utf-8"))
     if size > IDEMPOTENCY_KEY_MAX_BYTES:
         raise InvalidNameError(
             field, f"is {size} bytes long; the limit is {IDEMPOTENCY_KEY_MAX_BYTES}"
@@ -109,14 +137,71 @@ def check_int_range(field: str, value: object, low: int, high: int) -> int:
 
 
 def check_seconds(field: str, value: object) -> float:
-    """A finite, non-negative duration in seconds."""
+    """A finite, non-negative duration in seconds, at most `DURATION_MAX_SECONDS`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidOptionError(field, f"must be a number of seconds, got {type(value).__name__}")
-    seconds = float(value)
+    try:
+        seconds = float(value)
+    except OverflowError as exc:  # an int beyond any float
+        raise InvalidOptionError(field, _TOO_LONG) from exc
     if not math.isfinite(seconds):
         raise InvalidOptionError(field, f"must be finite, got {value!r}")
     if seconds < 0:
         raise InvalidOptionError(field, f"must not be negative, got {value!r}")
+    if seconds > DURATION_MAX_SECONDS:
+        raise InvalidOptionError(field, f"{_TOO_LONG}, got {value!r}")
+    return seconds
+
+
+def check_delay(field: str, value: object) -> float:
+    """A delay from now, as seconds or a `timedelta`, within `DURATION_MAX_SECONDS`."""
+    if isinstance(value, timedelta):
+        return check_seconds(field, value.total_seconds())
+    return check_seconds(field, value)
+
+
+def check_run_at(field: str, value: object) -> datetime:
+    """A timezone-aware `datetime` whose UTC value Python can read back (years 1 to 9999).
+
+    PostgreSQL stores instants from 4713 BC, so ``datetime(1, 1, 1, tzinfo=+05:00)`` (year 0
+    in UTC) would be written, and every later read of the task would fail in the driver.
+    """
+    if not isinstance(value, datetime):
+        raise InvalidOptionError(field, f"must be a datetime, got {type(value).__name__}")
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise InvalidOptionError(field, "must be timezone-aware (a naive datetime is ambiguous)")
+    try:
+        value.astimezone(timezone.utc)
+    except OverflowError as exc:
+        raise InvalidOptionError(
+            field, f"{value.isoformat()} is outside years 1 to 9999 in UTC"
+        ) from exc
+    return value
+
+
+def check_timeout(field: str, value: object) -> float | None:
+    """How long a waiter may wait: None or ``inf`` for ever, else a non-negative number.
+
+    NaN is refused: it compares false with everything, so a deadline built from it would
+    never expire.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidOptionError(field, f"must be a number of seconds, got {type(value).__name__}")
+    seconds = float(value)
+    if math.isnan(seconds) or seconds < 0:
+        raise InvalidOptionError(field, f"must be a non-negative number or None, got {value!r}")
+    return seconds
+
+
+def check_poll_interval(field: str, value: object) -> float:
+    """How often a waiter re-reads: a positive, finite number of seconds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidOptionError(field, f"must be a number of seconds, got {type(value).__name__}")
+    seconds = float(value)
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise InvalidOptionError(field, f"must be a positive, finite number, got {value!r}")
     return seconds
 
 
@@ -139,11 +224,59 @@ def _find_nul(value: Any, path: str) -> str | None:
     return None
 
 
+# A JSON string (escapes included), matched whole so nothing inside one is read as a number;
+# or a number, whose groups are set when it has an exponent.
+_JSON_TOKEN: Final = re.compile(
+    r'"[^"\\]*(?:\\.[^"\\]*)*"'
+    r"|(-?)(\d+)(?:\.(\d+))?(?:[eE]([+-]?\d+))?"
+)
+# Python writes a float in exponent form as "1e+300" or "1.5e-07": text without a
+# digit-e-sign-digit run holds no such float, and skips the scan (the common case).
+_FLOAT_EXPONENT: Final = re.compile(r"\de[+-]\d")
+
+
+def _numeric_text_length(sign: str, whole: str, fraction: str, exponent: int) -> int:
+    """The length of PostgreSQL's ``numeric`` text for a JSON number in exponent form.
+
+    ``numeric`` never prints an exponent: the digits are written out, with as many decimals
+    as the input had minus the exponent (``1e300`` is 301 digits, ``1.5e-07`` is
+    ``0.00000015``), and no sign on zero.
+    """
+    digits = whole + fraction
+    significant = digits.lstrip("0")
+    scale = max(0, len(fraction) - exponent)
+    if significant:
+        point = len(whole) + exponent  # digits before the decimal point, leading zeros included
+        integer = max(1, point - (len(digits) - len(significant)))
+    else:
+        sign, integer = "", 1
+    return len(sign) + integer + (1 + scale if scale else 0)
+
+
+def jsonb_text_size(text: str) -> int:
+    """The bytes of ``text`` once cast to ``jsonb`` and printed back, as the CHECKs measure.
+
+    Serialised with PostgreSQL's separators, the text has the same size as jsonb's output,
+    except for floats in exponent form, which jsonb writes out in full; those are counted
+    exactly (by a scan that runs only when the text has one).
+    """
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if not _FLOAT_EXPONENT.search(text):
+        return size
+    for token in _JSON_TOKEN.finditer(text):
+        sign, whole, fraction, exponent = token.groups()
+        if exponent is not None:
+            numeric = _numeric_text_length(sign, whole, fraction or "", int(exponent))
+            size += numeric - len(token.group())
+    return size
+
+
 def dump_json(field: str, value: object, max_bytes: int) -> str:
     """Serialise ``value`` to the JSON text that will be cast to ``jsonb``.
 
-    Uses the same separators as PostgreSQL's jsonb output so the byte count here is the one the
-    CHECK constraint measures (``octet_length(value::text)``) for all ordinary values.
+    Uses the same separators as PostgreSQL's jsonb output, and counts the size as the CHECK
+    constraint will (``octet_length(value::text)``, floats in exponent form written out in
+    full), so a value accepted here is never rejected by the database.
     """
     try:
         text = json.dumps(value, ensure_ascii=False, allow_nan=False)
@@ -156,9 +289,9 @@ def dump_json(field: str, value: object, max_bytes: int) -> str:
         where = _find_nul(value, field)
         if where is not None:
             raise PayloadError(field, f"contains a NUL character at {where}")
-    size = len(text.encode("utf-8", "surrogatepass"))
+    size = jsonb_text_size(text)
     if size > max_bytes:
-        raise PayloadError(field, f"is {size} bytes as JSON; the limit is {max_bytes}")
+        raise PayloadError(field, f"is {size} bytes as jsonb text; the limit is {max_bytes}")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:

@@ -10,12 +10,14 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, create_engine, event, func, select, text, update
+from sqlalchemy import Engine, create_engine, delete, event, func, select, text, update
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from sqlalchemy_pgtask import (
     EnqueueRequest,
+    IdempotencyConflict,
     IdempotencyKey,
     Queue,
     QueueFull,
@@ -345,6 +347,55 @@ def test_concurrent_producers_of_one_key_create_exactly_one_task(
     assert task_count(pgtask_engine) == 1
 
 
+@pytest.mark.parametrize("isolation", ["REPEATABLE READ", "SERIALIZABLE"])
+def test_a_key_taken_after_the_snapshot_is_an_idempotency_conflict_and_a_retry_dedupes(
+    pgtask_engine: Engine, isolation: str
+) -> None:
+    with pgtask_engine.connect().execution_options(isolation_level=isolation) as late:
+        late.execute(select(func.count()).select_from(Task))  # this transaction's snapshot
+        with pgtask_engine.begin() as early:  # another producer commits the key after it
+            first = enqueue(early, "t", idempotency_key="receipt-7").id
+        with pytest.raises(IdempotencyConflict, match="retry the transaction") as caught:
+            enqueue(late, "t", idempotency_key="receipt-7")
+        cause = caught.value.__cause__
+        assert getattr(getattr(cause, "orig", None), "sqlstate", None) == "40001"
+        late.rollback()
+        # The retried transaction sees the reservation and deduplicates as usual.
+        assert enqueue(late, "t", idempotency_key="receipt-7") == (first, False)
+        late.commit()
+    assert task_count(pgtask_engine) == 1
+
+
+async def test_an_async_idempotent_enqueue_under_repeatable_read_conflicts_the_same_way(
+    pgtask_engine: Engine, pgtask_async_engine: AsyncEngine
+) -> None:
+    engine = pgtask_async_engine.execution_options(isolation_level="REPEATABLE READ")
+    async with AsyncSession(engine) as session:
+        await session.execute(select(func.count()).select_from(Task))
+        with pgtask_engine.begin() as early:
+            enqueue(early, "t", idempotency_key="k")
+        with pytest.raises(IdempotencyConflict):
+            await enqueue_many_async(session, [EnqueueRequest(name="t", idempotency_key="k")])
+        await session.rollback()
+    assert task_count(pgtask_engine) == 1
+
+
+def test_a_serialization_failure_without_keys_is_not_an_idempotency_conflict(
+    pgtask_engine: Engine,
+) -> None:
+    with Session(pgtask_engine) as session:
+        session.add(Queue(name="limited", max_outstanding_tasks=10))
+        session.commit()
+    with pgtask_engine.connect().execution_options(isolation_level="REPEATABLE READ") as late:
+        late.execute(select(func.count()).select_from(Task))
+        with pgtask_engine.begin() as early:  # moves the queue's counter after the snapshot
+            enqueue(early, "t", queue="limited")
+        with pytest.raises(DBAPIError) as caught:
+            enqueue(late, "t", queue="limited")
+        assert getattr(caught.value.orig, "sqlstate", None) == "40001"
+        late.rollback()
+
+
 def _finish(session: Session, task_id: uuid.UUID, state: str = "succeeded") -> None:
     session.execute(
         update(Task).where(Task.id == task_id)
@@ -387,7 +438,7 @@ def test_deleting_history_does_not_release_an_unexpired_key(pgtask_engine: Engin
     with Session(pgtask_engine) as session:
         first = enqueue(session, "t", idempotency_key="k").id
         session.commit()
-        session.execute(Task.__table__.delete().where(Task.__table__.c.id == first))
+        session.execute(delete(Task).where(Task.id == first))
         session.commit()
         again = enqueue(session, "t", idempotency_key="k")
         session.commit()

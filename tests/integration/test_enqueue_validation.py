@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import random
 from datetime import datetime, timedelta, timezone
+from decimal import Decimal
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, event, func, select
+from sqlalchemy import Engine, event, func, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
+from sqlalchemy.types import Text
 
 from sqlalchemy_pgtask import (
     EnqueueRequest,
@@ -22,6 +26,7 @@ from sqlalchemy_pgtask import (
     enqueue_async,
     enqueue_many,
 )
+from sqlalchemy_pgtask.validation import HEADERS_MAX_BYTES, PAYLOAD_MAX_BYTES, jsonb_text_size
 
 AWARE = datetime(2030, 1, 1, tzinfo=timezone.utc)
 
@@ -116,3 +121,56 @@ async def test_async_enqueue_rejects_bad_input_before_any_sql(
         with pytest.raises(PayloadError):
             await enqueue_async(session, "t", {1, 2})
         assert not session.in_transaction()
+
+
+# -- sizes: what Python accepts, the CHECK accepts -----------------------------------------
+
+
+def test_python_counts_json_sizes_exactly_as_postgres_jsonb_text_measures_them(
+    pgtask_engine: Engine,
+) -> None:
+    rng = random.Random(6)
+    values: list[Any] = [
+        1e300, -1e-300, 5e-324, 1.7976931348623157e308, 1.5e-07, 1e16, 123.25, 0.0,
+        "1e+300", {"k\"1e+5": [2.5e-9, "e-5", {"deep": -3e+40}]}, ["\\", 1e22, "é"],
+    ]
+    values += [rng.choice((-1, 1)) * rng.random() * 10.0 ** rng.randint(-320, 307)
+               for _ in range(300)]
+    values = [value or 0.0 for value in values]  # jsonb drops the sign of -0.0
+    texts = [json.dumps(value, ensure_ascii=False) for value in values]
+    with pgtask_engine.connect() as connection:
+        measured = connection.execute(
+            text("SELECT octet_length(t::jsonb::text) FROM unnest(CAST(:texts AS text[])) t"),
+            {"texts": texts},
+        ).scalars().all()
+    assert [jsonb_text_size(t) for t in texts] == measured
+
+
+@pytest.mark.parametrize(
+    ("number", "where"),
+    [(1e300, "payload"), (-1e-300, "payload"), (1e300, "headers")],
+    ids=["payload-1e300", "payload-minus-1e-300", "headers-1e300"],
+)
+def test_a_value_at_the_jsonb_limit_is_stored_and_one_byte_more_is_refused_before_sql(
+    pgtask_engine: Engine, number: float, where: str
+) -> None:
+    limit = PAYLOAD_MAX_BYTES if where == "payload" else HEADERS_MAX_BYTES
+
+    def value(padding: int) -> dict[str, Any]:
+        return {"pad": "x" * padding, "n": number}
+
+    # jsonb writes the number out as numeric does, which is Decimal's "f" format.
+    bare = len(json.dumps(value(0))) - len(repr(number)) + len(format(Decimal(repr(number)), "f"))
+    at_limit: dict[str, Any] = {where: value(limit - bare)}
+    over: dict[str, Any] = {where: value(limit - bare + 1)}
+    with Session(pgtask_engine) as session:
+        task_id = enqueue(session, "t", **at_limit).id  # the CHECK accepts it
+        with pytest.raises(PayloadError) as caught:
+            enqueue(session, "t", **over)
+        assert caught.value.field == where
+        session.commit()
+        column = Task.payload if where == "payload" else Task.headers
+        stored = session.scalar(
+            select(func.octet_length(func.cast(column, Text))).where(Task.id == task_id)
+        )
+    assert stored == limit

@@ -1,9 +1,12 @@
-"""Queue settings: capacity limits counted exactly, pause, retention values."""
+"""Queue settings: capacity limits counted exactly, pause, retention values, listing."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
-from sqlalchemy import Engine, func, select, update
+from sqlalchemy import Engine, event, func, select, text, update
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from sqlalchemy_pgtask import (
@@ -11,10 +14,15 @@ from sqlalchemy_pgtask import (
     InvalidOptionError,
     Queue,
     QueueFull,
+    QueueSettings,
     Task,
     configure_queue,
+    configure_queue_async,
     enqueue,
     enqueue_many,
+    enqueue_many_async,
+    list_queues,
+    list_queues_async,
 )
 
 
@@ -92,3 +100,103 @@ def test_bad_settings_are_rejected_before_any_write(
             configure_queue(session, "q", **kwargs)  # type: ignore[arg-type]
         assert not session.in_transaction()
         assert session.scalar(select(func.count()).select_from(Queue)) == 0
+
+
+# -- reading settings ----------------------------------------------------------------------
+
+
+def test_list_queues_reads_typed_rows_by_name_in_the_callers_transaction(
+    pgtask_engine: Engine,
+) -> None:
+    with Session(pgtask_engine) as session:
+        configure_queue(session, "reports", max_outstanding_tasks=3, paused=True)
+        configure_queue(session, "emails", terminal_retention_seconds=60)
+        listed = list_queues(session)  # uncommitted rows: the caller's own transaction
+        session.rollback()
+        assert list_queues(session) == []
+    assert [q.name for q in listed] == ["emails", "reports"]
+    emails, reports = listed
+    assert isinstance(reports, QueueSettings)
+    assert (reports.max_outstanding_tasks, reports.outstanding_tasks, reports.paused) == (
+        3, 0, True,
+    )
+    assert (emails.max_outstanding_tasks, emails.paused, emails.terminal_retention_seconds) == (
+        None, False, 60,
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        reports.name = "other"  # type: ignore[misc]
+
+
+def test_queue_settings_has_exactly_the_queue_tables_columns() -> None:
+    # A migration that adds a column to pgtask.queues must add it here too.
+    assert {f.name for f in dataclasses.fields(QueueSettings)} == set(Queue.__table__.c.keys())
+
+
+async def test_the_async_twins_configure_and_list_in_the_callers_transaction(
+    pgtask_async_engine: AsyncEngine,
+) -> None:
+    async with AsyncSession(pgtask_async_engine) as session:
+        await enqueue_many_async(session, [EnqueueRequest(name="t", queue="q")] * 2)
+        row = await configure_queue_async(session, "q", max_outstanding_tasks=5)
+        assert row["outstanding_tasks"] == 2  # counted in the caller's transaction
+        await session.commit()
+        (listed,) = await list_queues_async(session)
+    assert (listed.name, listed.max_outstanding_tasks, listed.outstanding_tasks) == ("q", 5, 2)
+    async with pgtask_async_engine.connect() as connection:
+        await configure_queue_async(connection, "q", paused=True)
+        assert (await list_queues_async(connection))[0].paused
+        await connection.rollback()
+        assert not (await list_queues_async(connection))[0].paused
+
+
+# -- a capacity limit needs READ COMMITTED --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "isolation", ["REPEATABLE READ", "SERIALIZABLE", "SET TRANSACTION REPEATABLE READ"]
+)
+def test_turning_a_limit_on_outside_read_committed_is_refused_before_any_sql(
+    pgtask_engine: Engine, isolation: str
+) -> None:
+    set_by_statement = isolation.startswith("SET TRANSACTION")
+    engine = pgtask_engine if set_by_statement else pgtask_engine.execution_options(
+        isolation_level=isolation
+    )
+    seen: list[str] = []
+    with Session(engine) as session:
+        if set_by_statement:
+            session.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
+        enqueue(session, "t", queue="q")  # the snapshot the recount would have used
+        event.listen(pgtask_engine, "before_cursor_execute", lambda *a: seen.append(a[2]))
+        with pytest.raises(InvalidOptionError, match="READ COMMITTED") as caught:
+            configure_queue(session, "q", max_outstanding_tasks=5)
+        assert caught.value.field == "max_outstanding_tasks"
+        assert seen == []
+        # The transaction is usable, and settings that recount nothing are allowed.
+        assert configure_queue(session, "q", paused=True)["max_outstanding_tasks"] is None
+        enqueue(session, "t", queue="q")
+        session.commit()
+        assert session.scalar(select(func.count()).select_from(Task)) == 2
+
+
+async def test_the_async_twin_refuses_a_limit_outside_read_committed_too(
+    pgtask_async_engine: AsyncEngine,
+) -> None:
+    engine = pgtask_async_engine.execution_options(isolation_level="SERIALIZABLE")
+    async with AsyncSession(engine) as session:
+        with pytest.raises(InvalidOptionError) as caught:
+            await configure_queue_async(session, "q", max_outstanding_tasks=1)
+        assert caught.value.field == "max_outstanding_tasks"
+        await configure_queue_async(session, "q", max_outstanding_tasks=None)
+        await session.commit()
+
+
+def test_read_committed_is_the_default_and_limits_are_counted_there(
+    pgtask_engine: Engine,
+) -> None:
+    read_committed = pgtask_engine.execution_options(isolation_level="READ COMMITTED")
+    with Session(read_committed) as session:
+        enqueue(session, "t", queue="q")
+        session.commit()
+        assert configure_queue(session, "q", max_outstanding_tasks=5)["outstanding_tasks"] == 1
+        session.commit()

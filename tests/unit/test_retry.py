@@ -15,6 +15,7 @@ import pytest
 
 from sqlalchemy_pgtask import InvalidOptionError, RetryPolicy
 from sqlalchemy_pgtask.registry import DEFAULT_RETRY
+from sqlalchemy_pgtask.validation import DURATION_MAX_SECONDS
 
 INT4_MAX = 2**31 - 1
 
@@ -60,9 +61,9 @@ def test_the_default_policy_is_exponential_from_one_second_to_a_minute() -> None
     [
         RetryPolicy.exponential(base=1.0, factor=2.0, max=60.0),
         RetryPolicy.exponential(base=0.001, factor=10.0, max=86_400.0),
-        RetryPolicy.exponential(base=2.0, factor=1e300, max=sys.float_info.max),
+        RetryPolicy.exponential(base=2.0, factor=1e300, max=DURATION_MAX_SECONDS),
     ],
-    ids=["default-shape", "steep", "near-float-max"],
+    ids=["default-shape", "steep", "longest-max"],
 )
 def test_exponential_ceiling_saturates_at_max_without_overflow(
     policy: RetryPolicy, failures: int
@@ -198,6 +199,35 @@ def test_delays_must_be_finite_and_non_negative(
     with pytest.raises(InvalidOptionError) as caught:
         build()
     assert caught.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("build", "field"),
+    [
+        (lambda: RetryPolicy.fixed(1e300), "retry.delay"),
+        (lambda: RetryPolicy.fixed(DURATION_MAX_SECONDS + 1), "retry.delay"),
+        (lambda: RetryPolicy.exponential(max=sys.float_info.max), "retry.max"),
+        (lambda: RetryPolicy.exponential(base=1e300, max=1e300), "retry.base"),
+        (lambda: RetryPolicy.fixed(2**1100), "retry.delay"),
+    ],
+    ids=["fixed-1e300", "fixed-just-over", "exp-float-max", "exp-huge-base", "int-beyond-float"],
+)
+def test_delays_and_caps_longer_than_100_years_are_rejected(
+    build: Callable[[], RetryPolicy], field: str
+) -> None:
+    # The worker adds the delay to the database's clock when it records a failure: a longer
+    # one would overflow there, long after the policy was written.
+    with pytest.raises(InvalidOptionError, match="100 years") as caught:
+        build()
+    assert caught.value.field == field
+    assert RetryPolicy.fixed(DURATION_MAX_SECONDS).ceiling(1) == DURATION_MAX_SECONDS
+
+
+@pytest.mark.parametrize("jitter", ["no", 0, 1, None])
+def test_jitter_must_be_a_bool(jitter: object) -> None:
+    with pytest.raises(InvalidOptionError) as caught:
+        RetryPolicy.fixed(1.0, jitter=jitter)  # type: ignore[arg-type]
+    assert caught.value.field == "retry.jitter"
 
 
 @pytest.mark.parametrize(

@@ -2,21 +2,33 @@
 
 from __future__ import annotations
 
+import json
 import math
+import random
+import sys
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal
+from typing import Any
 
 import pytest
 
 from sqlalchemy_pgtask.errors import InvalidNameError, InvalidOptionError, PayloadError
 from sqlalchemy_pgtask.validation import (
+    DURATION_MAX_SECONDS,
     HEADERS_MAX_BYTES,
     PAYLOAD_MAX_BYTES,
+    check_delay,
     check_idempotency_key,
     check_int_range,
+    check_poll_interval,
     check_queue_name,
+    check_run_at,
     check_seconds,
     check_task_name,
+    check_timeout,
     dump_headers,
     dump_json,
+    jsonb_text_size,
 )
 
 
@@ -26,11 +38,19 @@ def test_valid_task_names_pass(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["", "has space", "naïve", "semi;colon", "a/b", "A" * 256, "nul\x00"]
+    "name",
+    ["", "has space", "naïve", "semi;colon", "a/b", "A" * 256, "nul\x00", "send\n", "\n",
+     "a\nb", "a\r"],
 )
 def test_invalid_task_names_are_rejected(name: str) -> None:
     with pytest.raises(InvalidNameError):
         check_task_name(name)
+
+
+def test_a_trailing_newline_is_not_part_of_a_valid_name() -> None:
+    # re.match with "$" accepts "emails\n"; the database's POSIX regex CHECK does not.
+    with pytest.raises(InvalidNameError, match="may only contain"):
+        check_queue_name("emails\n")
 
 
 def test_queue_names_are_limited_to_128_bytes() -> None:
@@ -52,6 +72,14 @@ def test_idempotency_keys_allow_free_text_but_no_nul_and_bounded_size() -> None:
         check_idempotency_key("é" * 257)  # 514 bytes
     with pytest.raises(InvalidNameError, match="empty"):
         check_idempotency_key("")
+
+
+@pytest.mark.parametrize("key", ["\ud800", "order-\udfff", "\udc80abc"])
+def test_idempotency_keys_must_be_valid_utf8(key: str) -> None:
+    with pytest.raises(InvalidNameError, match="not valid UTF-8") as caught:
+        check_idempotency_key(key)
+    assert caught.value.field == "idempotency_key"
+    assert check_idempotency_key("emoji 😀") == "emoji 😀"  # a proper pair is fine
 
 
 def test_json_uses_postgres_jsonb_separators_and_utf8_size() -> None:
@@ -108,3 +136,135 @@ def test_seconds_must_be_finite_and_not_negative() -> None:
     for bad in (-0.5, math.inf, math.nan):
         with pytest.raises(InvalidOptionError):
             check_seconds("delay", bad)
+
+
+# -- sizes as jsonb measures them ----------------------------------------------------------
+
+
+def jsonb_number(text: str) -> str:
+    """``numeric``'s text for a JSON number: every digit written out, no sign on zero."""
+    number = Decimal(text)
+    return format(number if number else abs(number), "f")
+
+
+def jsonb_text(value: Any) -> str:
+    """What PostgreSQL prints for ``value::jsonb``, up to key order (which keeps the size)."""
+    if isinstance(value, float):
+        return jsonb_number(repr(value))
+    if isinstance(value, list):
+        return "[" + ", ".join(jsonb_text(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(
+            f"{json.dumps(key, ensure_ascii=False)}: {jsonb_text(item)}"
+            for key, item in value.items()
+        ) + "}"
+    return json.dumps(value, ensure_ascii=False)
+
+
+@pytest.mark.parametrize(
+    ("value", "size"),
+    [
+        (1e300, 301),  # '1' and 300 zeros
+        (1e-300, 302),  # '0.' then 299 zeros and '1'
+        (-1e16, 18),
+        (1.5e-07, 10),  # 0.00000015
+        (5e-324, 326),
+        (sys.float_info.max, 309),
+        (1e15, len("1000000000000000.0")),  # repr has no exponent: unchanged
+        (0.0001, 6),
+    ],
+)
+def test_floats_are_counted_as_jsonb_writes_them_out(value: float, size: int) -> None:
+    assert jsonb_text_size(json.dumps(value)) == size
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "1e+300",
+        {"1e+300": "2.5e-07", "n": [1e300, "x\"1e+9\"", -2.5e-7]},
+        ["\\", 1e+22, "\\\"e-5", {"k": 3e-05}],
+        {"é": 1e100, "ü\"": "1e-100"},
+    ],
+    ids=["string-only", "strings-and-numbers", "escaped-quotes", "non-ascii-keys"],
+)
+def test_text_inside_strings_is_never_read_as_a_number(value: Any) -> None:
+    text = json.dumps(value, ensure_ascii=False)
+    assert jsonb_text_size(text) == len(jsonb_text(value).encode())
+
+
+def test_random_floats_of_every_magnitude_are_counted_exactly() -> None:
+    rng = random.Random(20260601)
+    values = [
+        rng.choice((-1, 1)) * rng.random() * 10.0 ** rng.randint(-330, 308)
+        for _ in range(2000)
+    ]
+    values += [rng.uniform(-1e6, 1e6) for _ in range(200)]
+    values = [value or 0.0 for value in values]  # -0.0 has its own test below
+    for value in values:
+        assert jsonb_text_size(json.dumps(value)) == len(jsonb_number(repr(value))), value
+    assert jsonb_text_size(json.dumps(values)) == len(jsonb_text(values))
+    # jsonb drops the sign of -0.0: counted one byte high, which can only be safe.
+    assert jsonb_text_size("-0.0") == len(jsonb_number("-0.0")) + 1
+
+
+def test_a_payload_at_the_limit_as_jsonb_passes_and_one_byte_more_fails() -> None:
+    # JSON text '["xx...x", 1e+300]' is 12 bytes plus the padding; jsonb's is 307 plus it.
+    exact = ["x" * (PAYLOAD_MAX_BYTES - 307), 1e300]
+    assert jsonb_text_size(dump_json("payload", exact, PAYLOAD_MAX_BYTES)) == PAYLOAD_MAX_BYTES
+    with pytest.raises(PayloadError, match="as jsonb text") as caught:
+        dump_json("payload", ["x" * (PAYLOAD_MAX_BYTES - 306), 1e300], PAYLOAD_MAX_BYTES)
+    assert caught.value.field == "payload"
+
+
+# -- durations and times -------------------------------------------------------------------
+
+
+def test_durations_are_bounded_at_100_years() -> None:
+    assert check_seconds("delay", DURATION_MAX_SECONDS) == DURATION_MAX_SECONDS
+    for bad in (DURATION_MAX_SECONDS + 1, 1e300, sys.float_info.max, 10**400):
+        with pytest.raises(InvalidOptionError, match="100 years"):
+            check_seconds("delay", bad)
+
+
+def test_delays_accept_seconds_and_timedeltas_within_the_bound() -> None:
+    assert check_delay("delay", timedelta(days=1)) == 86400.0
+    assert check_delay("delay", 2) == 2.0
+    for bad in (timedelta.max, timedelta(days=36525, seconds=1), timedelta(seconds=-1)):
+        with pytest.raises(InvalidOptionError) as caught:
+            check_delay("delay", bad)
+        assert caught.value.field == "delay"
+
+
+@pytest.mark.parametrize(
+    "run_at",
+    [
+        datetime(1, 1, 1, tzinfo=timezone(timedelta(hours=5))),  # year 0 in UTC
+        datetime(9999, 12, 31, 23, tzinfo=timezone(timedelta(hours=-5))),  # year 10000 in UTC
+    ],
+)
+def test_run_at_must_be_readable_back_in_utc(run_at: datetime) -> None:
+    with pytest.raises(InvalidOptionError, match="outside years 1 to 9999 in UTC"):
+        check_run_at("run_at", run_at)
+
+
+def test_run_at_at_the_edges_of_the_utc_range_is_accepted() -> None:
+    earliest = datetime(1, 1, 1, 5, tzinfo=timezone(timedelta(hours=5)))
+    latest = datetime(9999, 12, 31, 18, 59, tzinfo=timezone(timedelta(hours=-5)))
+    assert check_run_at("run_at", earliest) is earliest
+    assert check_run_at("run_at", latest) is latest
+    with pytest.raises(InvalidOptionError, match="timezone-aware"):
+        check_run_at("run_at", datetime(2030, 1, 1))
+
+
+def test_wait_timeouts_and_poll_intervals() -> None:
+    assert check_timeout("timeout", None) is None
+    assert check_timeout("timeout", 0) == 0.0
+    assert check_timeout("timeout", math.inf) == math.inf  # waits for ever, like None
+    for bad in (math.nan, -1, "5", True):
+        with pytest.raises(InvalidOptionError):
+            check_timeout("timeout", bad)
+    assert check_poll_interval("poll_interval", 0.05) == 0.05
+    for wrong in (0, -1, math.nan, math.inf, "1", None, False):
+        with pytest.raises(InvalidOptionError):
+            check_poll_interval("poll_interval", wrong)

@@ -1,0 +1,241 @@
+"""queues: reads and changes queue settings inside the caller's transaction; never commits.
+
+A queue needs no row to be used: a queue without one has the defaults (no capacity limit,
+not paused, the default retention). `configure_queue` creates or changes the row, and
+`list_queues` reads every row as a `QueueSettings`. Both run on the caller's session or
+connection, so a settings change commits or rolls back with the caller's other work.
+
+Turning a capacity limit on recounts the queue's outstanding tasks under a table lock. The
+count is exact only in a READ COMMITTED transaction, whose statements each see the latest
+commits; under REPEATABLE READ or SERIALIZABLE the count would come from the transaction's
+older snapshot and miss tasks committed since, so it is refused there, before any SQL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from datetime import datetime
+from typing import Any, Final
+
+from sqlalchemy import Connection, func, select, text
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from sqlalchemy_pgtask._connection import (
+    AsyncBind,
+    SyncBind,
+    async_bind,
+    async_connection_of,
+    connection_of,
+    sync_bind,
+    translated_errors,
+)
+from sqlalchemy_pgtask.errors import InvalidOptionError
+from sqlalchemy_pgtask.models import ACTIVE_STATES, Queue, Task
+from sqlalchemy_pgtask.validation import DURATION_MAX_SECONDS, check_int_range, check_queue_name
+
+__all__ = [
+    "UNSET",
+    "QueueSettings",
+    "configure_queue",
+    "configure_queue_async",
+    "list_queues",
+    "list_queues_async",
+]
+
+#: Isolation levels whose statements each see the latest commits. PostgreSQL runs READ
+#: UNCOMMITTED as READ COMMITTED.
+_FRESH_SNAPSHOT_LEVELS: Final = frozenset({"READ COMMITTED", "READ UNCOMMITTED"})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class QueueSettings:
+    """One row of ``pgtask.queues``: a queue's settings, as read in the caller's transaction."""
+
+    name: str
+    #: Capacity: the most pending + running + waiting tasks; None means unlimited.
+    max_outstanding_tasks: int | None
+    #: The admission counter, maintained only while a limit is set.
+    outstanding_tasks: int
+    #: Since when the queue is paused (it accepts enqueues, nothing is claimed); None: active.
+    paused_at: datetime | None
+    terminal_retention_seconds: int
+    idempotency_retention_seconds: int
+    created_at: datetime
+    updated_at: datetime
+
+    @property
+    def paused(self) -> bool:
+        """Whether workers leave this queue's tasks alone."""
+        return self.paused_at is not None
+
+
+_COLUMNS: Final = tuple(field.name for field in fields(QueueSettings))
+
+
+class _Unset:
+    """Marks an option the caller did not pass (None is a meaningful value)."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Final = _Unset()
+
+
+def _changes(
+    name: str,
+    max_outstanding_tasks: int | _Unset | None,
+    terminal_retention_seconds: int | _Unset,
+    idempotency_retention_seconds: int | _Unset,
+    paused: bool | _Unset,
+) -> dict[str, Any]:
+    """The validated column values to write; raises `ValidationError` before any SQL."""
+    check_queue_name(name)
+    values: dict[str, Any] = {}
+    if not isinstance(max_outstanding_tasks, _Unset):
+        if max_outstanding_tasks is not None:
+            check_int_range("max_outstanding_tasks", max_outstanding_tasks, 1, 2**63 - 1)
+        values["max_outstanding_tasks"] = max_outstanding_tasks
+    for option, value in (
+        ("terminal_retention_seconds", terminal_retention_seconds),
+        ("idempotency_retention_seconds", idempotency_retention_seconds),
+    ):
+        if not isinstance(value, _Unset):
+            # Bounded so completed_at + make_interval(secs => ...) in the key-expiry trigger
+            # and retention cannot overflow when a task finishes, long after this call.
+            values[option] = check_int_range(option, value, 0, DURATION_MAX_SECONDS)
+    if not isinstance(paused, _Unset):
+        if not isinstance(paused, bool):
+            raise InvalidOptionError("paused", "must be a bool")
+        values["paused_at"] = func.coalesce(Queue.paused_at, func.statement_timestamp()) if (
+            paused
+        ) else None
+    return values
+
+
+def _check_isolation(connection: Connection, values: dict[str, Any]) -> None:
+    """Refuse a capacity limit where its recount would read a stale snapshot."""
+    if values.get("max_outstanding_tasks") is None:
+        return
+    # Reads the transaction's actual level (what SET TRANSACTION or the engine chose) with a
+    # SHOW on the driver connection; none of this function's statements has run yet.
+    level = connection.get_isolation_level()
+    if level not in _FRESH_SNAPSHOT_LEVELS:
+        raise InvalidOptionError(
+            "max_outstanding_tasks",
+            f"a capacity limit recounts the queue's outstanding tasks, which is exact only in"
+            f" a READ COMMITTED transaction; this one is {level}, whose snapshot may miss"
+            f" tasks committed since it began: set the limit in a READ COMMITTED transaction",
+        )
+
+
+def _configure(connection: Connection, name: str, values: dict[str, Any]) -> dict[str, Any]:
+    _check_isolation(connection, values)
+    with translated_errors():
+        return _write(connection, name, values)
+
+
+def _write(connection: Connection, name: str, values: dict[str, Any]) -> dict[str, Any]:
+    current = connection.execute(
+        select(Queue.max_outstanding_tasks).where(Queue.name == name).with_for_update()
+    ).first()
+    limiting = values.get("max_outstanding_tasks") is not None and (
+        current is None or current.max_outstanding_tasks is None
+    )
+    if limiting:
+        # Unlimited enqueues do not touch the counter; wait for them and hold new ones back.
+        connection.execute(text("LOCK TABLE pgtask.tasks IN SHARE ROW EXCLUSIVE MODE"))
+        values["outstanding_tasks"] = connection.execute(
+            select(func.count())
+            .select_from(Task)
+            .where(Task.queue == name, Task.state.in_(ACTIVE_STATES))
+        ).scalar_one()
+    elif "max_outstanding_tasks" in values and values["max_outstanding_tasks"] is None:
+        values["outstanding_tasks"] = 0
+    insert_values = {k: v for k, v in values.items() if k != "paused_at" or v is not None}
+    if "paused_at" in insert_values:
+        insert_values["paused_at"] = func.statement_timestamp()
+    statement = pg_insert(Queue).values(name=name, **insert_values)
+    if values:
+        statement = statement.on_conflict_do_update(
+            index_elements=[Queue.name],
+            set_={**values, "updated_at": func.statement_timestamp()},
+        )
+    else:
+        statement = statement.on_conflict_do_nothing(index_elements=[Queue.name])
+    connection.execute(statement)
+    queues = Queue.__table__
+    row = connection.execute(select(queues).where(queues.c.name == name)).mappings().one()
+    return dict(row)
+
+
+def configure_queue(
+    bind: SyncBind,
+    name: str,
+    *,
+    max_outstanding_tasks: int | _Unset | None = UNSET,
+    terminal_retention_seconds: int | _Unset = UNSET,
+    idempotency_retention_seconds: int | _Unset = UNSET,
+    paused: bool | _Unset = UNSET,
+) -> dict[str, Any]:
+    """Create or change a queue's settings in ``bind``'s transaction; returns its row.
+
+    Only the options passed change. ``max_outstanding_tasks=None`` removes the capacity limit.
+    Retention settings are whole seconds from 0 to 100 years (`DURATION_MAX_SECONDS`).
+    Turning a limit on recounts the queue's outstanding tasks; to count exactly it briefly
+    takes a lock on ``pgtask.tasks`` that waits for in-flight writes and blocks new ones until
+    the caller commits, so commit promptly. A paused queue accepts enqueues but nothing is
+    claimed from it until it is resumed. Never commits.
+
+    :raises ValidationError: a bad option, before any SQL; also (`InvalidOptionError` on
+        ``max_outstanding_tasks``) a limit set in a transaction that is not READ COMMITTED.
+    :raises SchemaNotInstalled: the database has no pgtask schema.
+    """
+    target = sync_bind(bind, "configure_queue")
+    values = _changes(
+        name, max_outstanding_tasks, terminal_retention_seconds, idempotency_retention_seconds,
+        paused,
+    )
+    return _configure(connection_of(target), name, values)
+
+
+async def configure_queue_async(
+    bind: AsyncBind,
+    name: str,
+    *,
+    max_outstanding_tasks: int | _Unset | None = UNSET,
+    terminal_retention_seconds: int | _Unset = UNSET,
+    idempotency_retention_seconds: int | _Unset = UNSET,
+    paused: bool | _Unset = UNSET,
+) -> dict[str, Any]:
+    """`configure_queue` for an `AsyncSession` or `AsyncConnection`; the same guarantees."""
+    target = async_bind(bind, "configure_queue")
+    values = _changes(
+        name, max_outstanding_tasks, terminal_retention_seconds, idempotency_retention_seconds,
+        paused,
+    )
+    connection = await async_connection_of(target)
+    return await connection.run_sync(_configure, name, values)
+
+
+def _read(connection: Connection) -> list[QueueSettings]:
+    queues = Queue.__table__
+    with translated_errors():
+        rows = connection.execute(
+            select(*(queues.c[column] for column in _COLUMNS)).order_by(queues.c.name)
+        ).mappings()
+        return [QueueSettings(**row) for row in rows]
+
+
+def list_queues(bind: SyncBind) -> list[QueueSettings]:
+    """Every queue that has settings, by name, read in ``bind``'s transaction.
+
+    Queues without a row use the defaults and are not listed.
+    """
+    return _read(connection_of(sync_bind(bind, "list_queues")))
+
+
+async def list_queues_async(bind: AsyncBind) -> list[QueueSettings]:
+    """`list_queues` for an `AsyncSession` or `AsyncConnection`."""
+    connection = await async_connection_of(async_bind(bind, "list_queues"))
+    return await connection.run_sync(_read)
