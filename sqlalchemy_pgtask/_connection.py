@@ -52,6 +52,8 @@ __all__ = [
     "RESULT_CHANNEL",
     "WAKE_ALL",
     "AsyncBind",
+    "AsyncListener",
+    "Listener",
     "SyncBind",
     "async_bind",
     "async_connection_of",
@@ -60,6 +62,7 @@ __all__ = [
     "bounded",
     "connection_of",
     "listening_connection",
+    "listening_connection_sync",
     "parse_task_id",
     "sync_bind",
     "sync_engine",
@@ -280,11 +283,34 @@ async def _close(connection: Any) -> None:
     await connection.close()
 
 
+class AsyncListener:
+    """Notifications of a LISTEN connection (psycopg's, under the engine's pool connection)."""
+
+    def __init__(self, driver: Any) -> None:
+        self._driver = driver
+
+    async def payloads(self, timeout: float | None = None) -> AsyncIterator[str]:
+        """Payloads as they arrive; with ``timeout``, stop after that many seconds."""
+        async for notification in self._driver.notifies(timeout=timeout):
+            yield str(notification.payload)
+
+
+class Listener:
+    """`AsyncListener` for a synchronous engine."""
+
+    def __init__(self, driver: Any) -> None:
+        self._driver = driver
+
+    def payloads(self, timeout: float | None = None) -> Iterator[str]:
+        for notification in self._driver.notifies(timeout=timeout):
+            yield str(notification.payload)
+
+
 @contextlib.asynccontextmanager
 async def listening_connection(
     engine: AsyncEngine, *channels: str, timeout: float
-) -> AsyncIterator[AsyncIterator[str]]:
-    """A connection of ``engine`` that LISTENs on ``channels``; yields the payloads.
+) -> AsyncIterator[AsyncListener]:
+    """A connection of ``engine`` that LISTENs on ``channels``.
 
     The connection comes from the engine, so its ``connect_args``, ``creator`` and events
     apply; it is invalidated afterwards instead of going back to the pool with a LISTEN on it.
@@ -297,14 +323,26 @@ async def listening_connection(
         await bounded(driver.set_autocommit(True), timeout)
         for channel in channels:
             await bounded(driver.execute(f"LISTEN {channel}"), timeout)
-
-        async def payloads() -> AsyncIterator[str]:
-            async for notification in driver.notifies():
-                yield str(notification.payload)
-
-        yield payloads()
+        yield AsyncListener(driver)
     finally:
         with contextlib.suppress(Exception):
             await connection.invalidate()
         with contextlib.suppress(Exception):
             await connection.close()
+
+
+@contextlib.contextmanager
+def listening_connection_sync(engine: Engine, *channels: str) -> Iterator[Listener]:
+    """`listening_connection` for a synchronous engine."""
+    connection = engine.connect()
+    try:
+        driver: Any = connection.connection.driver_connection  # psycopg.Connection
+        driver.autocommit = True
+        for channel in channels:
+            driver.execute(f"LISTEN {channel}")
+        yield Listener(driver)
+    finally:
+        with contextlib.suppress(Exception):
+            connection.invalidate()
+        with contextlib.suppress(Exception):
+            connection.close()

@@ -11,8 +11,7 @@ import time
 import uuid
 from typing import Any, Final
 
-import psycopg
-from sqlalchemy import URL, Engine, select
+from sqlalchemy import Engine, select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_scoped_session
 from sqlalchemy.orm import Session, scoped_session
 
@@ -26,6 +25,8 @@ from sqlalchemy_pgtask._connection import (
     async_engine,
     async_session,
     connection_of,
+    listening_connection,
+    listening_connection_sync,
     parse_task_id,
     sync_bind,
     sync_engine,
@@ -105,11 +106,6 @@ async def cancel_async(bind: AsyncBind, task_id: uuid.UUID | str) -> str | None:
     return None if row is None else str(row.state)
 
 
-def listen_conninfo(url: URL) -> str:
-    """A libpq connection string for ``url``, for a dedicated ``LISTEN`` connection."""
-    return url.set(drivername="postgresql").render_as_string(hide_password=False)
-
-
 def _finished(session: Session, task_id: uuid.UUID) -> Task | None:
     with translated_errors():
         task = session.execute(select(Task).where(Task.id == task_id)).scalar_one_or_none()
@@ -146,8 +142,7 @@ def wait_for_result(
     timeout = check_timeout("timeout", timeout)
     poll_interval = check_poll_interval("poll_interval", poll_interval)
     deadline = None if timeout is None else time.monotonic() + timeout
-    with psycopg.connect(listen_conninfo(engine.url), autocommit=True) as listener:
-        listener.execute(f"LISTEN {RESULT_CHANNEL}")
+    with translated_errors(), listening_connection_sync(engine, RESULT_CHANNEL) as listener:
         while True:
             with Session(engine, expire_on_commit=False) as session:
                 task = _finished(session, wanted)
@@ -159,8 +154,8 @@ def wait_for_result(
                 wait = min(wait, deadline - time.monotonic())
                 if wait <= 0:
                     raise TimeoutError(f"task {wanted} did not finish within {timeout} s")
-            for notification in listener.notifies(timeout=wait):
-                if notification.payload == str(wanted):
+            for payload in listener.payloads(timeout=wait):
+                if payload == str(wanted):
                     break
 
 
@@ -177,22 +172,20 @@ async def wait_for_result_async(
     timeout = check_timeout("timeout", timeout)
     poll_interval = check_poll_interval("poll_interval", poll_interval)
     deadline = None if timeout is None else time.monotonic() + timeout
-    listener = await psycopg.AsyncConnection.connect(
-        listen_conninfo(engine.url), autocommit=True
-    )
-    async with listener:
-        await listener.execute(f"LISTEN {RESULT_CHANNEL}")
-        while True:
-            async with AsyncSession(engine, expire_on_commit=False) as session:
-                task = await session.run_sync(_finished, wanted)
-                if task is not None:
-                    session.expunge(task)
-                    return task
-            wait = poll_interval
-            if deadline is not None:
-                wait = min(wait, deadline - time.monotonic())
-                if wait <= 0:
-                    raise TimeoutError(f"task {wanted} did not finish within {timeout} s")
-            async for notification in listener.notifies(timeout=wait):
-                if notification.payload == str(wanted):
-                    break
+    connecting = max(10.0, poll_interval)
+    with translated_errors():
+        async with listening_connection(engine, RESULT_CHANNEL, timeout=connecting) as listener:
+            while True:
+                async with AsyncSession(engine, expire_on_commit=False) as session:
+                    task = await session.run_sync(_finished, wanted)
+                    if task is not None:
+                        session.expunge(task)
+                        return task
+                wait = poll_interval
+                if deadline is not None:
+                    wait = min(wait, deadline - time.monotonic())
+                    if wait <= 0:
+                        raise TimeoutError(f"task {wanted} did not finish within {timeout} s")
+                async for payload in listener.payloads(timeout=wait):
+                    if payload == str(wanted):
+                        break

@@ -10,19 +10,14 @@ caller's transaction untouched and usable.
 
 from __future__ import annotations
 
-import os
-import time
-import uuid
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
-from typing import Any, Final, NamedTuple
+from typing import Any, Final
 
-from sqlalchemy import Connection, Executable
+from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
-from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask._connection import (
     AsyncBind,
     SyncBind,
@@ -32,20 +27,15 @@ from sqlalchemy_pgtask._connection import (
     sync_bind,
     translated_errors,
 )
-from sqlalchemy_pgtask.errors import InvalidOptionError
-from sqlalchemy_pgtask.validation import (
-    INT2_MAX,
-    INT2_MIN,
-    INT4_MAX,
-    PAYLOAD_MAX_BYTES,
-    check_delay,
-    check_idempotency_key,
-    check_int_range,
-    check_queue_name,
-    check_run_at,
-    check_task_name,
-    dump_headers,
-    dump_json,
+from sqlalchemy_pgtask._enqueue_plan import (
+    DEFAULT_QUEUE,
+    EnqueueRequest,
+    EnqueueResult,
+    Plan,
+    execution,
+    plan_many,
+    plan_one,
+    validate_many,
 )
 
 __all__ = [
@@ -59,241 +49,36 @@ __all__ = [
     "enqueue_many_async",
 ]
 
-DEFAULT_QUEUE: Final = "default"
+#: The ``max_attempts`` of a handler registered without one.
 DEFAULT_MAX_ATTEMPTS: Final = 5
 
 
-class EnqueueResult(NamedTuple):
-    """What `enqueue` did: the task's id, and whether this call created it.
-
-    ``created`` is False only for an idempotency key that was already reserved; ``id`` is then
-    the id of the task that holds the reservation.
-    """
-
-    id: uuid.UUID
-    created: bool
-
-
-@dataclass(frozen=True, kw_only=True)
-class EnqueueRequest:
-    """One task for `enqueue_many`; the fields mean what `enqueue`'s arguments mean."""
-
-    name: str
-    payload: Any = None
-    queue: str = DEFAULT_QUEUE
-    version: int = 1
-    run_at: datetime | None = None
-    delay: float | timedelta | None = None
-    priority: int = 0
-    max_attempts: int = DEFAULT_MAX_ATTEMPTS
-    idempotency_key: str | None = None
-    headers: Mapping[str, Any] | None = field(default=None, hash=False)
-
-
-@dataclass(frozen=True, slots=True)
-class _Row:
-    """A validated request, ready to bind: JSON already serialised, ids already generated."""
-
-    id: uuid.UUID
-    queue: str
-    name: str
-    version: int
-    payload: str
-    headers: str
-    priority: int
-    max_attempts: int
-    run_at: datetime | None
-    delay: float
-    key: str | None
-
-
-def _uuid7s(count: int) -> list[uuid.UUID]:
-    """Time-ordered UUIDs (RFC 9562 version 7), with one read of randomness for the batch.
-
-    New ids land at the right edge of the primary-key index instead of at random pages, which
-    keeps bulk enqueues cache-friendly. The clock only orders ids; no deadline uses it.
-    """
-    stamp = (time.time_ns() // 1_000_000 & ((1 << 48) - 1)) << 80 | 0x7 << 76 | 0b10 << 62
-    randomness = os.urandom(10 * count)
-    ids = []
-    for offset in range(0, 10 * count, 10):
-        rand = int.from_bytes(randomness[offset : offset + 10], "big")
-        ids.append(uuid.UUID(int=stamp | ((rand >> 62) & 0xFFF) << 64 | rand & ((1 << 62) - 1)))
-    return ids
-
-
-def _validate(request: EnqueueRequest, task_id: uuid.UUID, prefix: str = "") -> _Row:
-    def where(name: str) -> str:
-        return f"{prefix}{name}"
-
-    name = check_task_name(request.name, where("name"))
-    queue = check_queue_name(request.queue, where("queue"))
-    version = check_int_range(where("version"), request.version, 1, INT4_MAX)
-    priority = check_int_range(where("priority"), request.priority, INT2_MIN, INT2_MAX)
-    max_attempts = check_int_range(where("max_attempts"), request.max_attempts, 1, INT4_MAX)
-    key = (
-        None
-        if request.idempotency_key is None
-        else check_idempotency_key(request.idempotency_key, where("idempotency_key"))
-    )
-    if request.run_at is not None and request.delay is not None:
-        raise InvalidOptionError(where("run_at"), "give either run_at or delay, not both")
-    run_at = None if request.run_at is None else check_run_at(where("run_at"), request.run_at)
-    seconds = 0.0 if request.delay is None else check_delay(where("delay"), request.delay)
-    return _Row(
-        id=task_id,
-        queue=queue,
-        name=name,
-        version=version,
-        payload=dump_json(where("payload"), request.payload, PAYLOAD_MAX_BYTES),
-        headers=dump_headers(request.headers, where("headers")),
-        priority=priority,
-        max_attempts=max_attempts,
-        run_at=run_at,
-        delay=seconds,
-        key=key,
-    )
-
-
-class _Plan(NamedTuple):
-    """The one statement to run, its parameters, and how to turn its rows into results."""
-
-    statement: Executable
-    params: dict[str, Any]
-    rows: list[_Row]
-    #: For each request, the index of the request whose result it shares (itself, or the first
-    #: request in the batch with the same queue and idempotency key).
-    owners: list[int]
-    returns_rows: bool
-
-    @property
-    def idempotent(self) -> bool:
-        """Whether the statement reserves idempotency keys."""
-        return self.statement is statements.ENQUEUE_BATCH_IDEMPOTENT
-
-
-def _plan_row(row: _Row) -> _Plan:
-    if row.key is None:
-        params = {
-            "id": row.id, "queue": row.queue, "name": row.name, "version": row.version,
-            "payload": row.payload, "headers": row.headers, "priority": row.priority,
-            "max_attempts": row.max_attempts, "run_at": row.run_at, "delay": row.delay,
-        }
-        return _Plan(statements.ENQUEUE_ONE, params, [row], [0], returns_rows=False)
-    return _plan_many([row])
-
-
-def _plan_many(rows: list[_Row]) -> _Plan:
-    owners: list[int] = []
-    first_of_key: dict[tuple[str, str], int] = {}
-    unique: list[_Row] = []
-    ords: list[int] = []
-    for index, row in enumerate(rows):
-        if row.key is not None:
-            slot = first_of_key.setdefault((row.queue, row.key), index)
-            if slot != index:
-                # ON CONFLICT cannot touch one row twice in a statement: later duplicates of a
-                # key in the same batch share the first one's result instead.
-                owners.append(slot)
-                continue
-        owners.append(index)
-        unique.append(row)
-        ords.append(index)
-    first = rows[0]
-    shared = (first.queue, first.name, first.version, first.headers, first.priority,
-              first.max_attempts, first.run_at, first.delay)
-    if not first_of_key and all(
-        (row.queue, row.name, row.version, row.headers, row.priority, row.max_attempts,
-         row.run_at, row.delay) == shared
-        for row in rows
-    ):
-        uniform = {
-            "ids": [row.id for row in rows],
-            "payloads": [row.payload for row in rows],
-            "queue": first.queue, "name": first.name, "version": first.version,
-            "headers": first.headers, "priority": first.priority,
-            "max_attempts": first.max_attempts, "run_at": first.run_at, "delay": first.delay,
-        }
-        return _Plan(statements.ENQUEUE_UNIFORM, uniform, rows, owners, returns_rows=False)
-    params = {
-        "ords": ords,
-        "ids": [row.id for row in unique],
-        "queues": [row.queue for row in unique],
-        "names": [row.name for row in unique],
-        "versions": [row.version for row in unique],
-        "payloads": [row.payload for row in unique],
-        "headers": [row.headers for row in unique],
-        "priorities": [row.priority for row in unique],
-        "max_attempts": [row.max_attempts for row in unique],
-        "run_ats": [row.run_at for row in unique],
-        "delays": [row.delay for row in unique],
-        "keys": [row.key for row in unique],
-    }
-    if first_of_key:
-        return _Plan(statements.ENQUEUE_BATCH_IDEMPOTENT, params, rows, owners, returns_rows=True)
-    return _Plan(statements.ENQUEUE_BATCH, params, rows, owners, returns_rows=False)
-
-
-def _results(plan: _Plan, returned: Sequence[Any] | None) -> list[EnqueueResult]:
-    by_index: dict[int, EnqueueResult] = {}
-    if returned is None:
-        by_index = {i: EnqueueResult(row.id, True) for i, row in enumerate(plan.rows)}
-    else:
-        by_index = {int(r.ord): EnqueueResult(r.id, bool(r.created)) for r in returned}
-    results = []
-    for index, owner in enumerate(plan.owners):
-        result = by_index[owner]
-        results.append(result if owner == index else EnqueueResult(result.id, False))
-    return results
-
-
-def _plan_one(
-    name: str,
-    payload: Any,
-    *,
-    queue: str,
-    version: int,
-    run_at: datetime | None,
-    delay: float | timedelta | None,
-    priority: int,
-    max_attempts: int,
-    idempotency_key: str | None,
-    headers: Mapping[str, Any] | None,
-) -> _Plan:
-    """Validate one enqueue's arguments and plan its statement."""
-    request = EnqueueRequest(
-        name=name, payload=payload, queue=queue, version=version, run_at=run_at, delay=delay,
-        priority=priority, max_attempts=max_attempts, idempotency_key=idempotency_key,
-        headers=headers,
-    )
-    return _plan_row(_validate(request, _uuid7s(1)[0]))
-
-
-def _validate_many(requests: Iterable[EnqueueRequest]) -> list[_Row]:
-    batch = list(requests)
-    ids = _uuid7s(len(batch))
-    rows = []
-    for index, request in enumerate(batch):
-        if not isinstance(request, EnqueueRequest):
-            raise InvalidOptionError(
-                f"[{index}]", f"must be an EnqueueRequest, got {type(request).__name__}"
-            )
-        rows.append(_validate(request, ids[index], f"[{index}]."))
-    return rows
-
-
-def _execute(bind: Session | Connection, plan: _Plan) -> list[EnqueueResult]:
+def _execute(bind: Session | Connection, plan: Plan) -> list[EnqueueResult]:
+    connection = connection_of(bind)
+    steps = execution(plan)
     with translated_errors(idempotent=plan.idempotent):
-        result = connection_of(bind).execute(plan.statement, plan.params)
-        return _results(plan, result.all() if plan.returns_rows else None)
+        statement, params = next(steps)
+        while True:
+            result = connection.execute(statement, params)
+            try:
+                statement, params = steps.send(result.all() if result.returns_rows else None)
+            except StopIteration as done:
+                results: list[EnqueueResult] = done.value
+                return results
 
 
-async def _execute_async(
-    bind: AsyncSession | AsyncConnection, plan: _Plan
-) -> list[EnqueueResult]:
+async def _execute_async(bind: AsyncSession | AsyncConnection, plan: Plan) -> list[EnqueueResult]:
+    connection = await async_connection_of(bind)
+    steps = execution(plan)
     with translated_errors(idempotent=plan.idempotent):
-        result = await (await async_connection_of(bind)).execute(plan.statement, plan.params)
-        return _results(plan, result.all() if plan.returns_rows else None)
+        statement, params = next(steps)
+        while True:
+            result = await connection.execute(statement, params)
+            try:
+                statement, params = steps.send(result.all() if result.returns_rows else None)
+            except StopIteration as done:
+                results: list[EnqueueResult] = done.value
+                return results
 
 
 def enqueue(
@@ -306,7 +91,7 @@ def enqueue(
     run_at: datetime | None = None,
     delay: float | timedelta | None = None,
     priority: int = 0,
-    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+    max_attempts: int | None = None,
     idempotency_key: str | None = None,
     headers: Mapping[str, Any] | None = None,
 ) -> EnqueueResult:
@@ -323,7 +108,8 @@ def enqueue(
     :param delay: or, instead of ``run_at``, seconds (or a timedelta) from now, where "now" is
         the database's clock, never this process's; at most 100 years.
     :param priority: higher runs first within a queue (-32768 to 32767).
-    :param max_attempts: how many failed attempts it gets before it fails for good.
+    :param max_attempts: how many failed attempts it gets before it fails for good; by default
+        the registered handler's ``max_attempts`` (its worker fills it in at the first claim).
     :param idempotency_key: at most one task per key and queue exists until the key expires;
         a duplicate returns the existing task's id with ``created=False``.
     :param headers: a JSON object of metadata (trace context, correlation ids), at most 64 KiB.
@@ -336,7 +122,7 @@ def enqueue(
     :raises SchemaNotInstalled: the database has no pgtask schema.
     """
     target = sync_bind(bind, "enqueue")
-    plan = _plan_one(
+    plan = plan_one(
         name, payload, queue=queue, version=version, run_at=run_at, delay=delay,
         priority=priority, max_attempts=max_attempts, idempotency_key=idempotency_key,
         headers=headers,
@@ -354,13 +140,13 @@ async def enqueue_async(
     run_at: datetime | None = None,
     delay: float | timedelta | None = None,
     priority: int = 0,
-    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+    max_attempts: int | None = None,
     idempotency_key: str | None = None,
     headers: Mapping[str, Any] | None = None,
 ) -> EnqueueResult:
     """`enqueue` for an `AsyncSession` or an `AsyncConnection`; the same guarantees."""
     target = async_bind(bind, "enqueue")
-    plan = _plan_one(
+    plan = plan_one(
         name, payload, queue=queue, version=version, run_at=run_at, delay=delay,
         priority=priority, max_attempts=max_attempts, idempotency_key=idempotency_key,
         headers=headers,
@@ -376,10 +162,10 @@ def enqueue_many(bind: SyncBind, requests: Iterable[EnqueueRequest]) -> list[Enq
     yield one task: the later one reports ``created=False``.
     """
     target = sync_bind(bind, "enqueue_many")
-    rows = _validate_many(requests)
+    rows = validate_many(requests)
     if not rows:
         return []
-    return _execute(target, _plan_many(rows))
+    return _execute(target, plan_many(rows))
 
 
 async def enqueue_many_async(
@@ -387,7 +173,7 @@ async def enqueue_many_async(
 ) -> list[EnqueueResult]:
     """`enqueue_many` for an `AsyncSession` or an `AsyncConnection`."""
     target = async_bind(bind, "enqueue_many")
-    rows = _validate_many(requests)
+    rows = validate_many(requests)
     if not rows:
         return []
-    return await _execute_async(target, _plan_many(rows))
+    return await _execute_async(target, plan_many(rows))

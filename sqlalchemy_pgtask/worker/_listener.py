@@ -45,11 +45,11 @@ class Listener:
             try:
                 async with listening_connection(
                     self._engine, READY_CHANNEL, timeout=self._timeout
-                ) as notifications:
+                ) as listener:
                     backoff.reset()
                     self.listening.set()
                     self._wake()  # anything enqueued while we were deaf is due now
-                    async for payload in notifications:
+                    async for payload in listener.payloads():
                         if payload in self._queues or payload == WAKE_ALL:
                             self._wake()
             except Exception as exc:

@@ -27,6 +27,7 @@ from sqlalchemy_pgtask import (
     enqueue_many,
     enqueue_many_async,
 )
+from sqlalchemy_pgtask.testing import DatabaseClock
 
 
 def task_count(engine: Engine) -> int:
@@ -144,7 +145,10 @@ def test_enqueue_stores_every_option(pgtask_engine: Engine) -> None:
 def test_defaults_queue_version_priority_and_attempts(pgtask_engine: Engine) -> None:
     with Session(pgtask_engine) as session:
         task = session.get_one(Task, enqueue(session, "t").id)
-    assert (task.queue, task.version, task.priority, task.max_attempts) == ("default", 1, 0, 5)
+    # max_attempts stays unset until the first claim fills in the registered handler's.
+    assert (task.queue, task.version, task.priority, task.max_attempts) == (
+        "default", 1, 0, None,
+    )
     assert task.payload is None
     assert task.headers == {}
 
@@ -403,19 +407,27 @@ def _finish(session: Session, task_id: uuid.UUID, state: str = "succeeded") -> N
     )
 
 
-def test_key_expires_retention_after_its_task_finishes(pgtask_engine: Engine) -> None:
+def test_key_expires_retention_after_its_task_finishes(
+    pgtask_engine: Engine, pgtask_clock: DatabaseClock
+) -> None:
     with Session(pgtask_engine) as session:
         session.add(Queue(name="q", idempotency_retention_seconds=3600))
         task_id = enqueue(session, "t", queue="q", idempotency_key="k").id
         session.commit()
-        assert session.get_one(IdempotencyKey, ("q", "k")).expires_at is None
         _finish(session, task_id)
         session.commit()
-        completed_at = session.get_one(Task, task_id).completed_at
-        key = session.get_one(IdempotencyKey, ("q", "k"))
-        session.refresh(key)
-    assert completed_at is not None
-    assert key.expires_at == completed_at + timedelta(hours=1)
+        # Finished, but the key holds for the queue's retention (the key row is not touched:
+        # its expiry is derived from the task).
+        assert enqueue(session, "t", queue="q", idempotency_key="k") == (task_id, False)
+        session.commit()
+        pgtask_clock.advance(3590)
+        assert enqueue(session, "t", queue="q", idempotency_key="k") == (task_id, False)
+        session.commit()
+        pgtask_clock.advance(20)  # an hour and ten seconds after the task finished
+        again = enqueue(session, "t", queue="q", idempotency_key="k")
+        session.commit()
+    assert again.created
+    assert again.id != task_id
 
 
 def test_expired_reservation_is_reused_by_a_new_task(pgtask_engine: Engine) -> None:

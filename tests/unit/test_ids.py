@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from sqlalchemy_pgtask.enqueue import _uuid7s
+from sqlalchemy_pgtask._enqueue_plan import new_ids as _uuid7s
 
 
 def test_ids_are_version_7_with_the_rfc_variant() -> None:
