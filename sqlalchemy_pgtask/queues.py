@@ -5,19 +5,21 @@ not paused, the default retention). `configure_queue` creates or changes the row
 `list_queues` reads every row as a `QueueSettings`. Both run on the caller's session or
 connection, so a settings change commits or rolls back with the caller's other work.
 
-Turning a capacity limit on recounts the queue's outstanding tasks under a table lock. The
-count is exact only in a READ COMMITTED transaction, whose statements each see the latest
-commits; under REPEATABLE READ or SERIALIZABLE the count would come from the transaction's
-older snapshot and miss tasks committed since, so it is refused there, before any SQL.
+Turning a capacity limit on recounts the queue's outstanding tasks under a table lock (a
+trigger does it, so every writer of the row gets it). The count is exact only in a READ
+COMMITTED transaction, whose statements each see the latest commits; under REPEATABLE READ or
+SERIALIZABLE the count would come from the transaction's older snapshot and miss tasks
+committed since, so it is refused there: here before any SQL, by the trigger for others.
 """
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any, Final
 
-from sqlalchemy import Connection, func, select, text
+from sqlalchemy import Connection, Table, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from sqlalchemy_pgtask._connection import (
@@ -30,7 +32,8 @@ from sqlalchemy_pgtask._connection import (
     translated_errors,
 )
 from sqlalchemy_pgtask.errors import InvalidOptionError
-from sqlalchemy_pgtask.models import ACTIVE_STATES, Queue, Task
+from sqlalchemy_pgtask.models import CapacityRelease, Queue
+from sqlalchemy_pgtask.statements import NOW
 from sqlalchemy_pgtask.validation import DURATION_MAX_SECONDS, check_int_range, check_queue_name
 
 __all__ = [
@@ -54,7 +57,7 @@ class QueueSettings:
     name: str
     #: Capacity: the most pending + running + waiting tasks; None means unlimited.
     max_outstanding_tasks: int | None
-    #: The admission counter, maintained only while a limit is set.
+    #: Outstanding tasks as the admission counter sees them (counted only while a limit is set).
     outstanding_tasks: int
     #: Since when the queue is paused (it accepts enqueues, nothing is claimed); None: active.
     paused_at: datetime | None
@@ -107,9 +110,7 @@ def _changes(
     if not isinstance(paused, _Unset):
         if not isinstance(paused, bool):
             raise InvalidOptionError("paused", "must be a bool")
-        values["paused_at"] = func.coalesce(Queue.paused_at, func.statement_timestamp()) if (
-            paused
-        ) else None
+        values["paused_at"] = func.coalesce(Queue.paused_at, NOW) if paused else None
     return values
 
 
@@ -135,37 +136,54 @@ def _configure(connection: Connection, name: str, values: dict[str, Any]) -> dic
         return _write(connection, name, values)
 
 
-def _write(connection: Connection, name: str, values: dict[str, Any]) -> dict[str, Any]:
-    current = connection.execute(
-        select(Queue.max_outstanding_tasks).where(Queue.name == name).with_for_update()
-    ).first()
-    limiting = values.get("max_outstanding_tasks") is not None and (
-        current is None or current.max_outstanding_tasks is None
+def _settings_columns() -> list[Any]:
+    """The queue's columns, with ``outstanding_tasks`` net of releases not yet folded in."""
+    queues = typing.cast(Table, Queue.__table__)
+    released = (
+        select(func.coalesce(func.sum(CapacityRelease.released), 0))
+        .where(CapacityRelease.queue == queues.c.name)
+        .scalar_subquery()
     )
-    if limiting:
-        # Unlimited enqueues do not touch the counter; wait for them and hold new ones back.
-        connection.execute(text("LOCK TABLE pgtask.tasks IN SHARE ROW EXCLUSIVE MODE"))
-        values["outstanding_tasks"] = connection.execute(
-            select(func.count())
-            .select_from(Task)
-            .where(Task.queue == name, Task.state.in_(ACTIVE_STATES))
-        ).scalar_one()
-    elif "max_outstanding_tasks" in values and values["max_outstanding_tasks"] is None:
-        values["outstanding_tasks"] = 0
-    insert_values = {k: v for k, v in values.items() if k != "paused_at" or v is not None}
-    if "paused_at" in insert_values:
-        insert_values["paused_at"] = func.statement_timestamp()
-    statement = pg_insert(Queue).values(name=name, **insert_values)
+    return [
+        (queues.c.outstanding_tasks - released).label(column)
+        if column == "outstanding_tasks"
+        else queues.c[column]
+        for column in _COLUMNS
+    ]
+
+
+def _write(connection: Connection, name: str, values: dict[str, Any]) -> dict[str, Any]:
+    # The capacity counter is the database's business: a trigger recounts the outstanding
+    # tasks whenever a limit is turned on, whoever writes the row (an ORM session.add too).
+    # An UPDATE first, so an existing queue never runs the INSERT's trigger (and its lock).
+    queues = typing.cast(Table, Queue.__table__)
     if values:
-        statement = statement.on_conflict_do_update(
-            index_elements=[Queue.name],
-            set_={**values, "updated_at": func.statement_timestamp()},
-        )
+        changed = connection.execute(
+            update(queues)
+            .where(queues.c.name == name)
+            .values(**values, updated_at=NOW)
+            .returning(queues.c.name)
+        ).first()
+        if changed is None:
+            fresh = {
+                k: (NOW if k == "paused_at" else v)
+                for k, v in values.items()
+                if k != "paused_at" or v is not None
+            }
+            connection.execute(
+                pg_insert(queues).values(name=name, **fresh).on_conflict_do_update(
+                    index_elements=[queues.c.name], set_={**values, "updated_at": NOW}
+                )
+            )
     else:
-        statement = statement.on_conflict_do_nothing(index_elements=[Queue.name])
-    connection.execute(statement)
-    queues = Queue.__table__
-    row = connection.execute(select(queues).where(queues.c.name == name)).mappings().one()
+        connection.execute(
+            pg_insert(queues).values(name=name).on_conflict_do_nothing(
+                index_elements=[queues.c.name]
+            )
+        )
+    row = connection.execute(
+        select(*_settings_columns()).where(queues.c.name == name)
+    ).mappings().one()
     return dict(row)
 
 
@@ -219,10 +237,9 @@ async def configure_queue_async(
 
 
 def _read(connection: Connection) -> list[QueueSettings]:
-    queues = Queue.__table__
     with translated_errors():
         rows = connection.execute(
-            select(*(queues.c[column] for column in _COLUMNS)).order_by(queues.c.name)
+            select(*_settings_columns()).order_by(Queue.name)
         ).mappings()
         return [QueueSettings(**row) for row in rows]
 
