@@ -1,18 +1,23 @@
 """The ``pgtask`` command line's grammar: every command, option, default and help text; parses,
 never runs anything.
 
-A mistake on the command line is reported like every other error: one line on stderr
+The worker's defaults are read from `WorkerOptions` itself, so ``pgtask worker`` and
+``Worker(registry, url)`` cannot drift apart, and ``--help`` shows the values in force. A
+mistake on the command line is reported like every other error: one line on stderr
 (``pgtask: error: ...``) and exit code 2, not argparse's usage block.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import sys
 from collections.abc import Callable
 from typing import Any, Final, NoReturn
 
-from sqlalchemy_pgtask import __version__
+from sqlalchemy_pgtask import WorkerOptions, __version__
+from sqlalchemy_pgtask._logging import LOG_FORMATS
 from sqlalchemy_pgtask.cli import _commands, _inspect
 from sqlalchemy_pgtask.cli._connection import URL_ENV
 from sqlalchemy_pgtask.cli._errors import EXIT_USAGE
@@ -30,6 +35,27 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         print(f"pgtask: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
+
+
+def worker_default(name: str) -> Any:
+    """The default of the `WorkerOptions` field ``name``."""
+    for field in dataclasses.fields(WorkerOptions):
+        if field.name == name:
+            return field.default
+    raise LookupError(f"WorkerOptions has no field {name!r}")
+
+
+def _seconds(text: str) -> float:
+    """A finite, non-negative number of seconds (``inf`` and ``nan`` parse as floats)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, got {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {text!r}")
+    return value
 
 
 def _int_between(low: int, high: int) -> Callable[[str], int]:
@@ -64,7 +90,7 @@ def _add_worker(commands: Any) -> None:
         description=(
             "Claim and run tasks for the handlers registered in MODULE:ATTRIBUTE. SIGTERM or "
             "SIGINT stops claiming and lets running handlers finish within the grace period; "
-            "a second signal hands their tasks back at once."
+            "a second signal hands their tasks back at once. Defaults are WorkerOptions'."
         ),
     )
     worker.add_argument("registry", metavar="MODULE:ATTRIBUTE", help="e.g. app.tasks:registry")
@@ -73,21 +99,33 @@ def _add_worker(commands: Any) -> None:
         "--queue", action="append", metavar="QUEUE",
         help="a queue to serve; repeat for several, earlier first (default: all registered)",
     )
-    worker.add_argument("--concurrency", type=int, default=10, help="handlers at once (10)")
     worker.add_argument(
-        "--lease-duration", type=float, default=30.0, metavar="SECONDS",
-        help="lease length, renewed every third of it (30)",
+        "--concurrency", type=_POSITIVE, metavar="N", default=worker_default("concurrency"),
+        help="handlers running at once (default: %(default)s)",
     )
     worker.add_argument(
-        "--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
-        help="time running handlers get to finish after a shutdown signal (30)",
+        "--lease-duration", type=_seconds, metavar="SECONDS",
+        default=worker_default("lease_duration"),
+        help="lease length, renewed every third of it (default: %(default)s)",
     )
     worker.add_argument(
-        "--poll-interval", type=float, default=30.0, metavar="SECONDS",
-        help="longest idle sleep without a notification (30)",
+        "--shutdown-grace", type=_seconds, metavar="SECONDS",
+        default=worker_default("shutdown_grace"),
+        help="time running handlers get to finish after a shutdown signal "
+        "(default: %(default)s)",
+    )
+    worker.add_argument(
+        "--poll-interval", type=_seconds, metavar="SECONDS",
+        default=worker_default("poll_interval"),
+        help="longest idle sleep without a notification (default: %(default)s)",
     )
     worker.add_argument(
         "--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)"
+    )
+    worker.add_argument(
+        "--log-format", default="text", choices=LOG_FORMATS,
+        help="text lines, or one JSON object per line with the task's fields "
+        "(default: %(default)s)",
     )
     worker.set_defaults(handler=_commands.worker)
 
@@ -209,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     demo.add_argument(
-        "--timeout", type=float, default=60.0, help="seconds to wait (default: %(default)s)"
+        "--timeout", type=_seconds, default=60.0, help="seconds to wait (default: %(default)s)"
     )
     demo.set_defaults(handler=_commands.demo)
     return parser

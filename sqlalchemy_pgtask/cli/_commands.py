@@ -7,12 +7,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
-import logging
 import os
 import signal
 import sys
 
 from sqlalchemy_pgtask import Registry, Worker, WorkerOptions
+from sqlalchemy_pgtask._logging import configure_logging
 from sqlalchemy_pgtask.cli._connection import database_url
 from sqlalchemy_pgtask.cli._errors import EXIT_OK, UsageError
 
@@ -61,10 +61,7 @@ def load_registry(target: str) -> Registry:
 
 
 def worker(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.log_level, args.log_format)
     url = database_url(args)
     registry = load_registry(args.registry)
     options = WorkerOptions(

@@ -3,6 +3,7 @@ on stderr and never a traceback, and the operator commands do what they say."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import make_url
 
+from sqlalchemy_pgtask import WorkerOptions
 from tests.acceptance.workerproc import Database, WorkerLauncher, lines, run_cli, wait_until
 
 
@@ -44,9 +46,38 @@ def test_help_describes_commands_and_worker_options(app_dir: Path) -> None:
     assert worker.returncode == 0, worker.stderr
     for option in (
         "MODULE:ATTRIBUTE", "--database-url", "--queue", "--concurrency", "--lease-duration",
-        "--shutdown-grace", "--poll-interval", "--log-level", "SIGTERM",
+        "--shutdown-grace", "--poll-interval", "--log-level", "--log-format", "SIGTERM",
     ):
         assert option in worker.stdout, option
+
+
+def test_worker_defaults_are_the_worker_options_defaults(app_dir: Path) -> None:
+    help_text = " ".join(run_cli("worker", "--help", cwd=app_dir).stdout.split())
+    defaults = {f.name: f.default for f in dataclasses.fields(WorkerOptions)}
+
+    for option, field in [
+        ("--concurrency N", "concurrency"),
+        ("--lease-duration SECONDS", "lease_duration"),
+        ("--shutdown-grace SECONDS", "shutdown_grace"),
+        ("--poll-interval SECONDS", "poll_interval"),
+    ]:
+        described = help_text.split(option, 2)[2].split(" --", 1)[0]  # after the usage line
+        assert f"(default: {defaults[field]})" in described, (option, described)
+
+
+@pytest.mark.parametrize("option", ["--lease-duration", "--shutdown-grace", "--poll-interval"])
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "Infinity", "ten"])
+def test_worker_refuses_durations_that_are_not_finite_numbers(
+    app_dir: Path, option: str, value: str
+) -> None:
+    # The database is unreachable: a worker that accepted the value would fail on that instead.
+    result = run_cli(
+        "worker", "tasks_app:registry", f"{option}={value}", "--database-url", _closed_port_url(),
+        cwd=app_dir,
+    )
+    line = _assert_user_error(result, option, value)
+    assert line.startswith("pgtask: error: ")
+    assert result.returncode == 2
 
 
 @pytest.mark.parametrize("command", ["worker", "status"])
@@ -443,3 +474,23 @@ def test_queue_list_and_set_print_the_settings(app_dir: Path, db: Database) -> N
     assert lines(changed.stdout) == [expected]
     listed = run_cli("queue", "list", "--database-url", db.url, cwd=app_dir)
     assert lines(listed.stdout) == [expected]
+
+
+def test_worker_logs_one_json_object_per_line_with_log_format_json(
+    db: Database, workers: WorkerLauncher
+) -> None:
+    worker = workers.start("--log-format", "json", "--log-level", "debug")
+    [task_id] = db.enqueue("job", {"sleep": 0})
+    wait_until(lambda: db.state(task_id) == "succeeded", 15, describe=worker.describe)
+
+    records = [json.loads(line) for line in lines(worker.log())]
+
+    assert records, worker.describe()
+    for record in records:
+        assert {"time", "level", "logger", "message"} <= set(record), record
+        assert datetime.fromisoformat(record["time"]).utcoffset() is not None
+    assert any(
+        record["logger"].startswith("sqlalchemy_pgtask") and str(worker.worker_id)
+        in record["message"]
+        for record in records
+    ), records
