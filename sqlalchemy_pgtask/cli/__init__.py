@@ -42,6 +42,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pgtask: error: {message}", file=sys.stderr)
         raise SystemExit(code) from None
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable
 from typing import Final, TypeVar
 
@@ -26,20 +27,29 @@ URL_ENV: Final = "PGTASK_DATABASE_URL"
 
 _T = TypeVar("_T")
 
+#: The password of a URL that did not parse (so SQLAlchemy cannot hide it for us).
+_PASSWORD: Final = re.compile(r"(://[^:/@]*:)[^@/]*@")
+
+
+def _redacted(raw: str) -> str:
+    return _PASSWORD.sub(r"\1***@", raw)
+
 
 def database_url(args: argparse.Namespace) -> str:
     """The ``--database-url`` or ``$PGTASK_DATABASE_URL``, as a psycopg 3 URL.
 
     Any PostgreSQL URL form is accepted (``postgresql://``, ``postgresql+psycopg2://`` ...):
-    the library speaks psycopg 3 whatever the URL names.
+    the library speaks psycopg 3 whatever the URL names. A URL SQLAlchemy cannot parse (a port
+    that is not a number, say) is a usage error.
     """
     raw = args.database_url or os.environ.get(URL_ENV)
     if not raw:
         raise UsageError(f"no database URL: pass --database-url or set {URL_ENV}")
     try:
         url = make_url(raw)
-    except ArgumentError as exc:
-        raise UsageError(f"invalid database URL {raw!r}: {exc}") from exc
+    except (ArgumentError, ValueError) as exc:
+        # make_url raises ValueError (int() of the port) for postgresql://u@h:abc/db.
+        raise UsageError(f"invalid database URL {_redacted(raw)!r}: {exc}") from exc
     if url.get_backend_name() != "postgresql":
         raise UsageError(f"pgtask needs PostgreSQL, got a {url.get_backend_name()!r} URL")
     return url.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)

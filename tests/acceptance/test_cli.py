@@ -7,6 +7,7 @@ import dataclasses
 import json
 import socket
 import subprocess
+import sys
 import uuid
 from datetime import datetime
 from pathlib import Path
@@ -49,6 +50,15 @@ def test_help_describes_commands_and_worker_options(app_dir: Path) -> None:
         "--shutdown-grace", "--poll-interval", "--log-level", "--log-format", "SIGTERM",
     ):
         assert option in worker.stdout, option
+
+
+def test_python_dash_m_runs_the_command(app_dir: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "sqlalchemy_pgtask.cli", "--version"], cwd=app_dir,
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("pgtask ")
 
 
 def test_worker_defaults_are_the_worker_options_defaults(app_dir: Path) -> None:
