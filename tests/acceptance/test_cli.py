@@ -3,14 +3,19 @@ on stderr and never a traceback, and the operator commands do what they say."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import socket
 import subprocess
+import sys
 import uuid
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 from sqlalchemy import make_url
 
+from sqlalchemy_pgtask import WorkerOptions
 from tests.acceptance.workerproc import Database, WorkerLauncher, lines, run_cli, wait_until
 
 
@@ -42,9 +47,47 @@ def test_help_describes_commands_and_worker_options(app_dir: Path) -> None:
     assert worker.returncode == 0, worker.stderr
     for option in (
         "MODULE:ATTRIBUTE", "--database-url", "--queue", "--concurrency", "--lease-duration",
-        "--shutdown-grace", "--poll-interval", "--log-level", "SIGTERM",
+        "--shutdown-grace", "--poll-interval", "--log-level", "--log-format", "SIGTERM",
     ):
         assert option in worker.stdout, option
+
+
+def test_python_dash_m_runs_the_command(app_dir: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "sqlalchemy_pgtask.cli", "--version"], cwd=app_dir,
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("pgtask ")
+
+
+def test_worker_defaults_are_the_worker_options_defaults(app_dir: Path) -> None:
+    help_text = " ".join(run_cli("worker", "--help", cwd=app_dir).stdout.split())
+    defaults = {f.name: f.default for f in dataclasses.fields(WorkerOptions)}
+
+    for option, field in [
+        ("--concurrency N", "concurrency"),
+        ("--lease-duration SECONDS", "lease_duration"),
+        ("--shutdown-grace SECONDS", "shutdown_grace"),
+        ("--poll-interval SECONDS", "poll_interval"),
+    ]:
+        described = help_text.split(option, 2)[2].split(" --", 1)[0]  # after the usage line
+        assert f"(default: {defaults[field]})" in described, (option, described)
+
+
+@pytest.mark.parametrize("option", ["--lease-duration", "--shutdown-grace", "--poll-interval"])
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "Infinity", "ten"])
+def test_worker_refuses_durations_that_are_not_finite_numbers(
+    app_dir: Path, option: str, value: str
+) -> None:
+    # The database is unreachable: a worker that accepted the value would fail on that instead.
+    result = run_cli(
+        "worker", "tasks_app:registry", f"{option}={value}", "--database-url", _closed_port_url(),
+        cwd=app_dir,
+    )
+    line = _assert_user_error(result, option, value)
+    assert line.startswith("pgtask: error: ")
+    assert result.returncode == 2
 
 
 @pytest.mark.parametrize("command", ["worker", "status"])
@@ -140,20 +183,89 @@ def test_migrate_installs_the_schema_and_is_idempotent(
         database.close()
 
 
+def _fields(output: str) -> dict[str, str]:
+    """``name: value`` lines of ``task show`` at the task's own indentation."""
+    return {
+        key.strip(): value.strip()
+        for key, _, value in (line.partition(":") for line in output.splitlines())
+        if key.startswith("  ") and not key.startswith("   ")
+    }
+
+
 def test_task_show_prints_the_task(app_dir: Path, db: Database) -> None:
-    [task_id] = db.enqueue("job", {"order": 42}, priority=3)
+    [task_id] = db.enqueue("job", {"order": 42}, priority=3, headers={"trace": "t-1"})
 
     shown = run_cli("task", "show", str(task_id), "--database-url", db.url, cwd=app_dir)
     assert shown.returncode == 0, shown.stderr
-    assert str(task_id) in shown.stdout
-    fields = {
-        key.strip(): value.strip()
-        for key, _, value in (line.partition(":") for line in lines(shown.stdout))
-    }
+    out = shown.stdout.splitlines()
+    assert out[0] == f"task {task_id}"
+    fields = _fields(shown.stdout)
     assert fields["state"] == "pending"
     assert fields["name"] == "job"
     assert fields["priority"] == "3"
-    assert "42" in fields["payload"]
+    assert fields["completed_at"] == "-"
+    assert fields["result"] == "null"
+    # Documents are indented JSON below their name.
+    payload = out.index("  payload:")
+    assert out[payload + 1:payload + 4] == ["    {", '      "order": 42', "    }"]
+    assert out[out.index("  headers:") + 2] == '      "trace": "t-1"'
+    assert out[-1] == "attempts: none"
+
+
+def test_task_show_prints_the_error_traceback_as_lines_and_every_attempt(
+    db: Database, workers: WorkerLauncher
+) -> None:
+    worker = workers.start()
+    [task_id] = db.enqueue("job", {"fail": True}, max_attempts=2)
+    wait_until(lambda: db.state(task_id) == "failed", 15, describe=worker.describe)
+
+    shown = run_cli("task", "show", str(task_id), "--database-url", db.url,
+                    cwd=workers.directory)
+    assert shown.returncode == 0, shown.stderr
+    out = shown.stdout.splitlines()
+    message = "the payload asked this attempt to fail"
+    error = out.index(f"  error: handler_error: RuntimeError: {message}")
+    assert out[error + 1] == "    Traceback (most recent call last):"
+    traceback_lines = out[error + 1:out.index("attempts:")]
+    assert any(line.startswith('      File "') for line in traceback_lines)
+    assert traceback_lines[-1] == f"    RuntimeError: {message}"
+    assert "{" not in "".join(traceback_lines[:1])  # lines, not the repr of a dict
+    attempts = out[out.index("attempts:") + 1:]
+    assert len(attempts) == 4
+    for number, (head, reason) in enumerate(zip(attempts[::2], attempts[1::2], strict=True), 1):
+        assert head.startswith(f"  attempt {number}: failed by worker {worker.worker_id}, "
+                               "started 20"), head
+        assert ", finished 20" in head
+        assert reason == f"    handler_error: RuntimeError: {message}"
+
+
+def test_task_show_json_is_one_machine_readable_document(
+    db: Database, workers: WorkerLauncher
+) -> None:
+    worker = workers.start()
+    [task_id] = db.enqueue("job", {"sleep": 0}, headers={"trace": "t-1"})
+    wait_until(lambda: db.state(task_id) == "succeeded", 15, describe=worker.describe)
+
+    shown = run_cli("task", "show", str(task_id), "--json", "--database-url", db.url,
+                    cwd=workers.directory)
+    assert shown.returncode == 0, shown.stderr
+    assert len(lines(shown.stdout)) == 1
+    document = json.loads(shown.stdout)
+    task, [attempt] = document["task"], document["attempts"]
+    assert (task["id"], task["state"], task["attempt"]) == (str(task_id), "succeeded", 1)
+    assert task["headers"] == {"trace": "t-1"}
+    assert task["payload"] == {"sleep": 0}
+    assert task["result"]["attempt"] == 1
+    assert task["error"] is None
+    for key in ("created_at", "updated_at", "completed_at", "run_at"):
+        assert datetime.fromisoformat(task[key]).utcoffset() is not None, key
+    assert attempt["attempt"] == 1
+    assert attempt["state"] == "succeeded"
+    assert attempt["worker_id"] == str(worker.worker_id)
+    assert datetime.fromisoformat(attempt["finished_at"]) >= datetime.fromisoformat(
+        attempt["started_at"]
+    )
+    assert attempt["error"] is None
 
 
 def test_task_cancel_cancels_a_pending_task(app_dir: Path, db: Database) -> None:
@@ -166,9 +278,35 @@ def test_task_cancel_cancels_a_pending_task(app_dir: Path, db: Database) -> None
     assert task.state == "cancelled"
     assert task.completed_at is not None
 
-    # Cancelling again: the task has already finished.
+    # Cancelling again: the task has already finished, which is not an error.
     again = run_cli("task", "cancel", str(task_id), "--database-url", db.url, cwd=app_dir)
-    _assert_user_error(again, str(task_id))
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.strip() == f"task {task_id} had already finished: cancelled"
+
+
+def test_cancelling_a_finished_task_says_how_it_finished(
+    db: Database, workers: WorkerLauncher
+) -> None:
+    worker = workers.start()
+    [task_id] = db.enqueue("job", {"sleep": 0})
+    wait_until(lambda: db.state(task_id) == "succeeded", 15, describe=worker.describe)
+
+    result = run_cli("task", "cancel", str(task_id), "--database-url", db.url,
+                     cwd=workers.directory)
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"task {task_id} had already finished: succeeded"
+    assert result.stderr == ""
+    assert db.state(task_id) == "succeeded"
+
+
+def test_cancelling_an_unknown_task_says_not_found(app_dir: Path, db: Database) -> None:
+    missing = uuid.uuid4()
+
+    result = run_cli("task", "cancel", str(missing), "--database-url", db.url, cwd=app_dir)
+
+    assert _assert_user_error(result) == f"pgtask: error: no task with id {missing}"
+    assert result.returncode == 1
 
 
 def test_task_cancel_stops_a_running_handler(db: Database, workers: WorkerLauncher) -> None:
@@ -208,7 +346,161 @@ def test_task_show_lists_the_attempts_of_a_task_a_worker_ran(
 def test_unknown_or_malformed_task_id_fails_cleanly(
     app_dir: Path, db: Database, action: str
 ) -> None:
-    unknown = run_cli("task", action, str(uuid.uuid4()), "--database-url", db.url, cwd=app_dir)
-    _assert_user_error(unknown)
+    missing = uuid.uuid4()
+    unknown = run_cli("task", action, str(missing), "--database-url", db.url, cwd=app_dir)
+    _assert_user_error(unknown, f"no task with id {missing}")
+    assert unknown.returncode == 1
     malformed = run_cli("task", action, "not-a-uuid", "--database-url", db.url, cwd=app_dir)
     _assert_user_error(malformed, "not-a-uuid")
+    assert malformed.returncode == 2
+
+
+def test_task_list_prints_the_newest_tasks_first_one_line_each(
+    app_dir: Path, db: Database
+) -> None:
+    [oldest] = db.enqueue("job", {}, queue="emails")
+    [middle] = db.enqueue("job-sync", {})
+    [newest] = db.enqueue("job", {}, max_attempts=3)
+    db.execute("UPDATE pgtask.tasks SET state = 'succeeded', completed_at = now() WHERE id = :id",
+               id=middle)
+
+    listed = run_cli("task", "list", "--database-url", db.url, cwd=app_dir)
+
+    assert listed.returncode == 0, listed.stderr
+    header, *rows = lines(listed.stdout)
+    assert header.split() == ["ID", "QUEUE", "TASK", "STATE", "ATTEMPT", "CREATED", "UPDATED"]
+    assert [row.split()[0] for row in rows] == [str(newest), str(middle), str(oldest)]
+    assert rows[0].split()[1:6] == ["default", "job", "v1", "pending", "0/3"]
+    assert rows[1].split()[1:5] == ["default", "job-sync", "v1", "succeeded"]
+    created, updated = rows[2].split()[-2:]
+    assert datetime.fromisoformat(created.replace("Z", "+00:00")) <= datetime.fromisoformat(
+        updated.replace("Z", "+00:00")
+    )
+
+
+@pytest.mark.parametrize(
+    ("filters", "expected"),
+    [
+        (["--state", "succeeded"], ["middle"]),
+        (["--queue", "emails"], ["oldest"]),
+        (["--name", "job"], ["newest", "oldest"]),
+        (["--name", "job", "--state", "pending", "--queue", "default"], ["newest"]),
+        (["--limit", "2"], ["newest", "middle"]),
+        (["--queue", "nothing-here"], []),
+    ],
+)
+def test_task_list_filters(
+    app_dir: Path, db: Database, filters: list[str], expected: list[str]
+) -> None:
+    ids = {
+        "oldest": db.enqueue("job", {}, queue="emails")[0],
+        "middle": db.enqueue("job-sync", {})[0],
+        "newest": db.enqueue("job", {})[0],
+    }
+    db.execute("UPDATE pgtask.tasks SET state = 'succeeded', completed_at = now() WHERE id = :id",
+               id=ids["middle"])
+
+    listed = run_cli("task", "list", *filters, "--database-url", db.url, cwd=app_dir)
+
+    assert listed.returncode == 0, listed.stderr
+    out = lines(listed.stdout)
+    if not expected:
+        assert out == ["no tasks match"]
+        return
+    rows = [line.split()[0] for line in out[1:] if not line.startswith("(")]
+    assert rows == [str(ids[name]) for name in expected]
+    if "--limit" in filters:  # a full page says how to get the next one
+        assert out[-1] == f"(first 2; older ones: add --before {ids['middle']})"
+        page = run_cli("task", "list", "--before", str(ids["middle"]), "--database-url", db.url,
+                       cwd=app_dir)
+        assert [line.split()[0] for line in lines(page.stdout)[1:]] == [str(ids["oldest"])]
+
+
+@pytest.mark.parametrize(
+    ("filters", "expected"),
+    [
+        (["--state", "done"], "invalid choice: 'done'"),
+        (["--state", "PENDING"], "invalid choice"),
+        (["--queue", "no spaces"], "'no spaces'"),
+        (["--name", ""], "must not be empty"),
+        (["--limit", "0"], "--limit"),
+        (["--limit", "many"], "--limit"),
+        (["--before", "yesterday"], "'yesterday' is not a UUID"),
+    ],
+)
+def test_task_list_refuses_bad_filters_as_usage_errors(
+    app_dir: Path, filters: list[str], expected: str
+) -> None:
+    # Refused before connecting: the database here is unreachable.
+    result = run_cli("task", "list", *filters, "--database-url", _closed_port_url(),
+                     cwd=app_dir)
+    _assert_user_error(result, expected)
+    assert result.returncode == 2
+
+
+def test_status_shows_every_queue_with_finished_counts_pause_and_capacity(
+    app_dir: Path, db: Database
+) -> None:
+    db.enqueue("job", {}, count=2)
+    [done] = db.enqueue("job", {})
+    db.execute("UPDATE pgtask.tasks SET state = 'failed', completed_at = now() WHERE id = :id",
+               id=done)
+    configured = run_cli("queue", "set", "emails", "--capacity", "10", "--pause",
+                         "--database-url", db.url, cwd=app_dir)
+    assert configured.returncode == 0, configured.stderr
+    db.enqueue("job", {}, queue="emails", count=3)
+
+    result = run_cli("status", "--database-url", db.url, cwd=app_dir)
+
+    assert result.returncode == 0, result.stderr
+    out = lines(result.stdout)
+    queues = out.index("queues:")
+    assert out[queues + 1] == "  default: 2 pending (2 due), 0 running, 0 waiting"
+    assert out[queues + 2] == (
+        "    finished: 0 succeeded, 1 failed, 0 cancelled; capacity unlimited; not paused"
+    )
+    assert out[queues + 3] == "  emails: 3 pending (3 due), 0 running, 0 waiting"
+    assert out[queues + 4].startswith(
+        "    finished: 0 succeeded, 0 failed, 0 cancelled; capacity 3/10 used; paused since 20"
+    )
+    assert out[queues + 4].endswith("Z")
+
+
+def test_status_of_an_empty_install_says_so(app_dir: Path, db: Database) -> None:
+    result = run_cli("status", "--database-url", db.url, cwd=app_dir)
+    assert result.returncode == 0, result.stderr
+    assert lines(result.stdout) == ["live workers: 0", "queues: none has settings or tasks"]
+
+
+def test_queue_list_and_set_print_the_settings(app_dir: Path, db: Database) -> None:
+    empty = run_cli("queue", "list", "--database-url", db.url, cwd=app_dir)
+    assert lines(empty.stdout) == ["no queue has settings; every queue uses the defaults"]
+
+    changed = run_cli("queue", "set", "emails", "--capacity", "5", "--terminal-retention", "60",
+                      "--database-url", db.url, cwd=app_dir)
+    assert changed.returncode == 0, changed.stderr
+    expected = ("emails: active, capacity 0/5, terminal retention 60s, "
+                "idempotency retention 2592000s")
+    assert lines(changed.stdout) == [expected]
+    listed = run_cli("queue", "list", "--database-url", db.url, cwd=app_dir)
+    assert lines(listed.stdout) == [expected]
+
+
+def test_worker_logs_one_json_object_per_line_with_log_format_json(
+    db: Database, workers: WorkerLauncher
+) -> None:
+    worker = workers.start("--log-format", "json", "--log-level", "debug")
+    [task_id] = db.enqueue("job", {"sleep": 0})
+    wait_until(lambda: db.state(task_id) == "succeeded", 15, describe=worker.describe)
+
+    records = [json.loads(line) for line in lines(worker.log())]
+
+    assert records, worker.describe()
+    for record in records:
+        assert {"time", "level", "logger", "message"} <= set(record), record
+        assert datetime.fromisoformat(record["time"]).utcoffset() is not None
+    assert any(
+        record["logger"].startswith("sqlalchemy_pgtask") and str(worker.worker_id)
+        in record["message"]
+        for record in records
+    ), records

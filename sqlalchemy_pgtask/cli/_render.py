@@ -1,0 +1,245 @@
+"""Text and JSON renderings of the read models in `sqlalchemy_pgtask.status`; pure, no I/O.
+
+Each function returns the lines a command prints. Times are shown in UTC (ISO 8601, to the
+millisecond, with a ``Z``), whatever the session's time zone, so two operators' outputs
+compare. JSON documents (``task show --json``) keep full precision: ISO 8601 with the offset,
+UUIDs as strings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timezone
+from typing import Any, Final
+
+from sqlalchemy_pgtask.status import (
+    AttemptInfo,
+    QueueSettings,
+    QueueStatus,
+    TaskDetail,
+    TaskSummary,
+    Unroutable,
+    WorkerInfo,
+)
+
+__all__ = [
+    "queue_settings_line",
+    "status_lines",
+    "task_detail_json",
+    "task_detail_lines",
+    "task_list_lines",
+]
+
+_INDENT: Final = "  "
+#: Error-document keys rendered by `_error_lines` itself; the rest are listed after them.
+_ERROR_KEYS: Final = frozenset({"type", "exception", "message", "traceback"})
+
+
+def when(value: datetime | None) -> str:
+    """A timestamp as ISO 8601 in UTC to the millisecond (``2024-05-01T12:00:00.123Z``)."""
+    if value is None:
+        return "-"
+    utc = value.astimezone(timezone.utc).replace(tzinfo=None)
+    return utc.isoformat(timespec="milliseconds") + "Z"
+
+
+def _indented(lines: Iterable[str], depth: int) -> list[str]:
+    return [f"{_INDENT * depth}{line}" for line in lines]
+
+
+def status_lines(
+    workers: Sequence[WorkerInfo], queues: Sequence[QueueStatus], stuck: Sequence[Unroutable]
+) -> list[str]:
+    """``pgtask status``: live workers, every queue, and pending work no live worker can run."""
+    out = [f"live workers: {len(workers)}"]
+    for w in workers:
+        flag = " (draining)" if w.draining else ""
+        out.append(
+            f"  {w.id}  {w.hostname} pid {w.pid}  queues {','.join(w.queues)}  "
+            f"concurrency {w.concurrency}  heartbeat {w.heartbeat_age_seconds:.1f}s ago{flag}"
+        )
+    out.append("queues:" if queues else "queues: none has settings or tasks")
+    for q in queues:
+        out.append(
+            f"  {q.name}: {q.pending} pending ({q.due} due), {q.running} running, "
+            f"{q.waiting} waiting"
+        )
+        if q.max_outstanding_tasks is None:
+            capacity = "capacity unlimited"
+        else:
+            capacity = f"capacity {q.outstanding_tasks}/{q.max_outstanding_tasks} used"
+        paused = f"paused since {when(q.paused_at)}" if q.paused else "not paused"
+        out.append(
+            f"    finished: {q.succeeded} succeeded, {q.failed} failed, {q.cancelled} cancelled;"
+            f" {capacity}; {paused}"
+        )
+    if stuck:
+        out.append("pending tasks no live worker can run:")
+        out += [f"  {u.queue} {u.name} v{u.version}: {u.count}" for u in stuck]
+    return out
+
+
+_LIST_HEADER: Final = ("ID", "QUEUE", "TASK", "STATE", "ATTEMPT", "CREATED", "UPDATED")
+
+
+def task_list_lines(tasks: Sequence[TaskSummary], limit: int) -> list[str]:
+    """``pgtask task list``: a header and one aligned line per task, newest first."""
+    if not tasks:
+        return ["no tasks match"]
+    rows = [_LIST_HEADER] + [
+        (
+            str(t.id), t.queue, f"{t.name} v{t.version}", t.state,
+            f"{t.attempt}/{t.max_attempts}", when(t.created_at), when(t.updated_at),
+        )
+        for t in tasks
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_LIST_HEADER))]
+    out = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+    if len(tasks) == limit:
+        out.append(f"(first {limit}; older ones: add --before {tasks[-1].id})")
+    return out
+
+
+def _json_lines(value: Any) -> list[str]:
+    return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True).splitlines()
+
+
+def _document(name: str, value: Any) -> list[str]:
+    """``name: <JSON>``; a document that spans lines goes below its name, indented."""
+    lines = _json_lines(value)
+    if len(lines) > 1:
+        return [f"{name}:", *_indented(lines, 1)]
+    return [f"{name}: {lines[0]}"]
+
+
+def _field(name: str, value: Any) -> list[str]:
+    """``name: value``, with ``-`` for a missing value; dicts and lists as JSON."""
+    if isinstance(value, (dict, list)):
+        return _document(name, value)
+    if value is None:
+        value = "-"
+    elif isinstance(value, datetime):
+        value = when(value)
+    return [f"{name}: {value}"]
+
+
+def _error_summary(error: dict[str, Any]) -> str:
+    """``kind: Exception: message``, the parts the document has."""
+    parts = [str(error.get("type", "error"))]
+    parts += [str(error[key]) for key in ("exception", "message") if error.get(key)]
+    return ": ".join(parts)
+
+
+def _error_lines(error: dict[str, Any] | None) -> list[str]:
+    if error is None:
+        return ["error: -"]
+    out = [f"error: {_one_line(_error_summary(error))}"]
+    extra = {k: v for k, v in error.items() if k not in _ERROR_KEYS}
+    for key in sorted(extra):
+        out += _indented(_field(key, extra[key]), 1)
+    traceback = error.get("traceback")
+    if traceback:
+        out += _indented(str(traceback).rstrip("\n").splitlines(), 1)
+    return out
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _retry(task: TaskDetail) -> str:
+    if task.retry_kind is None:
+        return "-"
+    parts = [task.retry_kind]
+    if task.retry_base_seconds is not None:
+        parts.append(f"base {task.retry_base_seconds:g}s")
+    if task.retry_factor is not None:
+        parts.append(f"factor {task.retry_factor:g}")
+    if task.retry_max_seconds is not None:
+        parts.append(f"max {task.retry_max_seconds:g}s")
+    if task.retry_jitter:
+        parts.append("jitter")
+    return ", ".join(parts)
+
+
+def _attempt_lines(attempt: AttemptInfo) -> list[str]:
+    took = ""
+    if attempt.finished_at is not None:
+        took = f" ({(attempt.finished_at - attempt.started_at).total_seconds():.3f}s)"
+    worker = attempt.worker_id if attempt.worker_id is not None else "-"
+    out = [
+        f"attempt {attempt.attempt}: {attempt.state} by worker {worker}, "
+        f"started {when(attempt.started_at)}, finished {when(attempt.finished_at)}{took}"
+    ]
+    if attempt.error is not None:
+        out.append(f"{_INDENT}{_one_line(_error_summary(attempt.error))}")
+    return out
+
+
+def task_detail_lines(task: TaskDetail) -> list[str]:
+    """``pgtask task show``: the task's fields, its documents, its error, then each attempt."""
+    scalars: list[tuple[str, Any]] = [
+        ("queue", task.queue), ("name", task.name), ("version", task.version),
+        ("state", task.state), ("priority", task.priority), ("run_at", task.run_at),
+        ("attempt", task.attempt), ("failed_attempts", task.failed_attempts),
+        ("max_attempts", task.max_attempts), ("retry", _retry(task)),
+        ("idempotency_key", task.idempotency_key), ("parent_id", task.parent_id),
+        ("lease_owner", task.lease_owner), ("lease_expires_at", task.lease_expires_at),
+        ("cancel_requested_at", task.cancel_requested_at), ("created_at", task.created_at),
+        ("updated_at", task.updated_at), ("completed_at", task.completed_at),
+    ]
+    body: list[str] = []
+    for name, value in scalars:
+        body += _field(name, value)
+    for name, document in (
+        ("headers", task.headers), ("payload", task.payload), ("result", task.result)
+    ):
+        body += _document(name, document)
+    body += _error_lines(task.error)
+    out = [f"task {task.id}", *_indented(body, 1)]
+    if not task.attempts:
+        return [*out, "attempts: none"]
+    out.append("attempts:")
+    for attempt in task.attempts:
+        out += _indented(_attempt_lines(attempt), 1)
+    return out
+
+
+def _json_default(value: object) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def task_detail_json(task: TaskDetail) -> str:
+    """``pgtask task show --json``: ``{"task": {...}, "attempts": [...]}`` on one line."""
+    fields = {
+        f.name: getattr(task, f.name) for f in dataclasses.fields(task) if f.name != "attempts"
+    }
+    document = {
+        "task": fields,
+        "attempts": [dataclasses.asdict(attempt) for attempt in task.attempts],
+    }
+    return json.dumps(document, default=_json_default, ensure_ascii=False)
+
+
+def queue_settings_line(queue: QueueSettings) -> str:
+    """One queue's settings (``pgtask queue list`` and ``queue set``)."""
+    if queue.max_outstanding_tasks is None:
+        capacity = "unlimited"
+    else:
+        capacity = f"{queue.outstanding_tasks}/{queue.max_outstanding_tasks}"
+    paused = f"paused since {when(queue.paused_at)}" if queue.paused_at else "active"
+    return (
+        f"{queue.name}: {paused}, capacity {capacity}, terminal retention "
+        f"{queue.terminal_retention_seconds}s, idempotency retention "
+        f"{queue.idempotency_retention_seconds}s"
+    )
