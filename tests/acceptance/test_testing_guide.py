@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sqlalchemy_pgtask._server import ServerInfo
+from sqlalchemy_pgtask.testing import ServerInfo
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "testing.md"
 

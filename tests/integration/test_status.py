@@ -71,6 +71,7 @@ def set_state(engine: Engine, ids: Sequence[uuid.UUID], state: TaskState) -> Non
     if state == RUNNING:
         values.update(
             lease_token=uuid.uuid4(), lease_owner=uuid.uuid4(), attempt=Task.attempt + 1,
+            max_attempts=5,
             lease_expires_at=func.statement_timestamp() + text("interval '1 minute'"),
         )
     with engine.begin() as connection:
