@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy import Connection
 
-from sqlalchemy_pgtask import TaskNotFound, cancel, configure_queue, status
+from sqlalchemy_pgtask import TaskNotFound, cancel, configure_queue, list_queues, status
 from sqlalchemy_pgtask.cli import _render
 from sqlalchemy_pgtask.cli._connection import in_transaction
 from sqlalchemy_pgtask.cli._errors import EXIT_OK
@@ -106,14 +106,14 @@ def queue_set(args: argparse.Namespace) -> int:
 
     def run(connection: Connection) -> list[status.QueueSettings]:
         configure_queue(connection, args.name, **options)
-        return status.queue_settings(connection, args.name)
+        return [q for q in list_queues(connection) if q.name == args.name]
 
     _print([_render.queue_settings_line(q) for q in in_transaction(args, run, read_only=False)])
     return EXIT_OK
 
 
 def queue_list(args: argparse.Namespace) -> int:
-    queues = in_transaction(args, status.queue_settings, read_only=True)
+    queues = in_transaction(args, list_queues, read_only=True)
     if not queues:
         print("no queue has settings; every queue uses the defaults")
     _print([_render.queue_settings_line(q) for q in queues])

@@ -27,6 +27,7 @@ from sqlalchemy_pgtask import (
     WorkerOptions,
     configure_queue,
     enqueue,
+    list_queues,
 )
 from sqlalchemy_pgtask.states import (
     CANCELLED,
@@ -42,7 +43,6 @@ from sqlalchemy_pgtask.status import (
     QueueStatus,
     list_tasks,
     parse_task_id,
-    queue_settings,
     queue_status,
     task_detail,
     task_summary,
@@ -279,7 +279,7 @@ def test_parse_task_id_accepts_uuids_and_their_text() -> None:
         parse_task_id("nope")
 
 
-# -- queue_settings --------------------------------------------------------------------------
+# -- queue settings (read through queues.list_queues) ----------------------------------------
 
 
 def test_queue_settings_reads_the_rows_by_name(pgtask_engine: Engine, reader: Connection) -> None:
@@ -287,8 +287,6 @@ def test_queue_settings_reads_the_rows_by_name(pgtask_engine: Engine, reader: Co
         configure_queue(connection, "b", terminal_retention_seconds=60)
         configure_queue(connection, "a", max_outstanding_tasks=5, paused=True)
 
-    a, b = queue_settings(reader)
+    a, b = list_queues(reader)
     assert (a.name, a.max_outstanding_tasks, a.paused_at is not None) == ("a", 5, True)
     assert (b.name, b.terminal_retention_seconds, b.max_outstanding_tasks) == ("b", 60, None)
-    assert queue_settings(reader, "b") == [b]
-    assert queue_settings(reader, "missing") == []
