@@ -6,14 +6,25 @@ statement locks, which index serves it and what it returns. Deadlines always com
 database time (`NOW`, ``pgtask.now()``), never from the client's clock. Statements that take
 more than a few parameters come with a typed builder of exactly those parameters.
 
-By responsibility: `enqueue` (adding tasks), `lease` (claims, renewals, outcomes, recovery),
-`workers` (registration, heartbeats, policies, pruning), `admin` (cancellation, checks).
+By responsibility: `enqueue` (adding tasks), `claim` (claims and the next due time), `lease`
+(renewals, outcomes, recovery), `workers` (registration, heartbeats, policies, pruning),
+`admin` (cancellation, checks).
 """
 
 from __future__ import annotations
 
 from sqlalchemy_pgtask.statements._common import NOW, Lease
 from sqlalchemy_pgtask.statements.admin import CANCEL, SCHEMA_INSTALLED
+from sqlalchemy_pgtask.statements.claim import (
+    CLAIM,
+    CLAIMED_COLUMNS,
+    SECONDS_UNTIL_DUE,
+    Capability,
+    CapabilityParams,
+    ClaimParams,
+    capability_params,
+    claim_params,
+)
 from sqlalchemy_pgtask.statements.enqueue import (
     DEFAULT_IDEMPOTENCY_RETENTION_SECONDS,
     ENQUEUE_BATCH,
@@ -24,8 +35,6 @@ from sqlalchemy_pgtask.statements.enqueue import (
     key_expired,
 )
 from sqlalchemy_pgtask.statements.lease import (
-    CLAIM,
-    CLAIMED_COLUMNS,
     COMPLETE,
     FAIL,
     LEASES,
@@ -33,16 +42,10 @@ from sqlalchemy_pgtask.statements.lease import (
     RECOVER,
     RELEASE,
     RENEW,
-    SECONDS_UNTIL_DUE,
-    Capability,
-    CapabilityParams,
-    ClaimParams,
     CompleteParams,
     FailParams,
     FenceParams,
     RenewParams,
-    capability_params,
-    claim_params,
     complete_params,
     fail_params,
     fence_params,

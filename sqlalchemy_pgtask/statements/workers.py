@@ -20,7 +20,7 @@ from sqlalchemy_pgtask.statements._common import (
     seconds,
     workers,
 )
-from sqlalchemy_pgtask.statements.lease import Capability
+from sqlalchemy_pgtask.statements.claim import Capability
 
 __all__ = [
     "ADD_CAPABILITIES",

@@ -1,0 +1,191 @@
+"""models._tasks: tasks and their attempts."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    Boolean,
+    CheckConstraint,
+    Double,
+    ForeignKey,
+    Index,
+    Integer,
+    SmallInteger,
+    Text,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import Mapped, mapped_column
+
+from sqlalchemy_pgtask.models._base import (
+    FAST_AUTOVACUUM,
+    NOW,
+    Base,
+    name_check,
+    quoted,
+    retry_shape_check,
+    size_check,
+)
+from sqlalchemy_pgtask.states import (
+    ACTIVE_STATES,
+    ATTEMPT_STATES,
+    TASK_STATES,
+    TERMINAL_STATES,
+    AttemptState,
+    TaskState,
+)
+from sqlalchemy_pgtask.validation import (
+    ERROR_MAX_BYTES,
+    HEADERS_MAX_BYTES,
+    PAYLOAD_MAX_BYTES,
+    QUEUE_NAME_MAX_BYTES,
+    RESULT_MAX_BYTES,
+    TASK_NAME_MAX_BYTES,
+)
+
+
+class Task(Base):
+    """One unit of work and its current state (history of each claim is in `Attempt`)."""
+
+    __tablename__ = "tasks"
+    __table_args__ = (
+        CheckConstraint(f"state IN ({quoted(TASK_STATES)})", name="state"),
+        CheckConstraint(name_check("queue", QUEUE_NAME_MAX_BYTES), name="queue"),
+        CheckConstraint(name_check("name", TASK_NAME_MAX_BYTES), name="name"),
+        CheckConstraint("version > 0", name="version"),
+        CheckConstraint("attempt >= 0", name="attempt"),
+        CheckConstraint("failed_attempts >= 0 AND failed_attempts <= attempt", name="failed"),
+        CheckConstraint("max_attempts > 0", name="max_attempts"),
+        # Unset until the first claim, which takes the registered handler's max_attempts.
+        CheckConstraint("max_attempts IS NOT NULL OR attempt = 0", name="max_attempts_known"),
+        CheckConstraint(
+            "state <> 'running' OR (lease_token IS NOT NULL AND lease_owner IS NOT NULL"
+            " AND lease_expires_at IS NOT NULL)",
+            name="lease",
+        ),
+        CheckConstraint(
+            f"(state IN ({quoted(TERMINAL_STATES)})) = (completed_at IS NOT NULL)",
+            name="completed_at",
+        ),
+        CheckConstraint("parent_id IS NULL OR parent_id <> id", name="parent"),
+        CheckConstraint(size_check("payload", PAYLOAD_MAX_BYTES), name="payload_size"),
+        CheckConstraint(
+            f"jsonb_typeof(headers) = 'object' AND {size_check('headers', HEADERS_MAX_BYTES)}",
+            name="headers",
+        ),
+        CheckConstraint(
+            f"result IS NULL OR {size_check('result', RESULT_MAX_BYTES)}", name="result_size"
+        ),
+        CheckConstraint(
+            f"error IS NULL OR {size_check('error', ERROR_MAX_BYTES)}", name="error_size"
+        ),
+        CheckConstraint(retry_shape_check(), name="retry_policy"),
+        # The claim path: due pending work of a queue, highest priority first.
+        Index(
+            "ix_tasks_claim",
+            "queue", text("priority DESC"), "run_at", "id",
+            postgresql_where=text("state = 'pending'"),
+        ),
+        # When the next scheduled task falls due, for an idle worker's sleep.
+        Index(
+            "ix_tasks_pending_run_at",
+            "queue", "run_at",
+            postgresql_where=text("state = 'pending'"),
+        ),
+        # Expired-lease recovery and lease renewal read only running rows.
+        Index(
+            "ix_tasks_lease_expiry",
+            "lease_expires_at", "id",
+            postgresql_where=text("state = 'running'"),
+        ),
+        # Outstanding work per queue: capacity recounts and the status command.
+        Index(
+            "ix_tasks_outstanding",
+            "queue", "state",
+            postgresql_where=text(f"state IN ({quoted(ACTIVE_STATES)})"),
+        ),
+        # Finished tasks by queue and state: status counts and retention.
+        Index(
+            "ix_tasks_finished",
+            "queue", "state", "completed_at",
+            postgresql_where=text(f"state IN ({quoted(TERMINAL_STATES)})"),
+        ),
+        Index(
+            "ix_tasks_parent",
+            "parent_id",
+            postgresql_where=text("parent_id IS NOT NULL"),
+        ),
+        # Tasks churn fast; vacuum and analyze long before the 20% defaults.
+        {"postgresql_with": FAST_AUTOVACUUM},
+    )
+
+    id: Mapped[uuid.UUID] = mapped_column(
+        primary_key=True, server_default=text("gen_random_uuid()")
+    )
+    queue: Mapped[str] = mapped_column(Text)
+    name: Mapped[str] = mapped_column(Text)
+    #: The handler version: a deploy can register a new version while old tasks drain.
+    version: Mapped[int] = mapped_column(Integer, server_default=text("1"))
+    payload: Mapped[Any] = mapped_column(JSONB)
+    headers: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
+    state: Mapped[TaskState] = mapped_column(Text, server_default=text("'pending'"))
+    #: Higher runs first.
+    priority: Mapped[int] = mapped_column(SmallInteger, server_default=text("0"))
+    #: Earliest claim time, in database time.
+    run_at: Mapped[datetime] = mapped_column(server_default=NOW)
+    #: Number of claims so far, suspensions included; the attempt number of the current lease.
+    attempt: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    #: Attempts that ended in failure; only these count against ``max_attempts``.
+    failed_attempts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    #: Failed attempts allowed; None until the first claim fills in the handler's default.
+    max_attempts: Mapped[int | None] = mapped_column(Integer)
+    lease_token: Mapped[uuid.UUID | None]
+    lease_owner: Mapped[uuid.UUID | None]
+    lease_expires_at: Mapped[datetime | None]
+    cancel_requested_at: Mapped[datetime | None]
+    #: A copy for display; uniqueness lives in `IdempotencyKey`, whose lifetime is its own.
+    idempotency_key: Mapped[str | None] = mapped_column(Text)
+    result: Mapped[Any | None] = mapped_column(JSONB)
+    error: Mapped[dict[str, Any] | None]
+    parent_id: Mapped[uuid.UUID | None] = mapped_column(
+        ForeignKey("pgtask.tasks.id", ondelete="SET NULL")
+    )
+    retry_kind: Mapped[str | None] = mapped_column(Text)
+    retry_base_seconds: Mapped[float | None] = mapped_column(Double)
+    retry_factor: Mapped[float | None] = mapped_column(Double)
+    retry_max_seconds: Mapped[float | None] = mapped_column(Double)
+    retry_jitter: Mapped[bool | None] = mapped_column(Boolean)
+    created_at: Mapped[datetime] = mapped_column(server_default=NOW)
+    updated_at: Mapped[datetime] = mapped_column(server_default=NOW)
+    completed_at: Mapped[datetime | None]
+
+
+class Attempt(Base):
+    """Append-only history: one row per claim of a task."""
+
+    __tablename__ = "attempts"
+    __table_args__ = (
+        CheckConstraint(f"state IN ({quoted(ATTEMPT_STATES)})", name="state"),
+        CheckConstraint("attempt > 0", name="attempt"),
+        CheckConstraint(
+            f"error IS NULL OR {size_check('error', ERROR_MAX_BYTES)}", name="error_size"
+        ),
+        # Grows by one row per claim and is updated once per outcome: keep its statistics
+        # fresh, or plans made while it was small keep scanning it sequentially.
+        {"postgresql_with": FAST_AUTOVACUUM},
+    )
+
+    task_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("pgtask.tasks.id", ondelete="CASCADE"), primary_key=True
+    )
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    lease_token: Mapped[uuid.UUID]
+    worker_id: Mapped[uuid.UUID | None]
+    state: Mapped[AttemptState] = mapped_column(Text, server_default=text("'running'"))
+    started_at: Mapped[datetime] = mapped_column(server_default=NOW)
+    finished_at: Mapped[datetime | None]
+    error: Mapped[dict[str, Any] | None]
+
