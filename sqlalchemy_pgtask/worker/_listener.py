@@ -30,11 +30,13 @@ class Listener:
         queues: Collection[str],
         *,
         wake: Callable[[], None],
+        wake_all: Callable[[], None],
         connect_timeout: float,
     ) -> None:
         self._engine = engine
         self._queues = frozenset(queues)
         self._wake = wake
+        self._wake_all = wake_all
         self._timeout = connect_timeout
         #: Set while the LISTEN is established.
         self.listening = asyncio.Event()
@@ -48,10 +50,12 @@ class Listener:
                 ) as listener:
                     backoff.reset()
                     self.listening.set()
-                    self._wake()  # anything enqueued while we were deaf is due now
+                    self._wake_all()  # whatever happened while we were deaf is due now
                     async for payload in listener.payloads():
-                        if payload in self._queues or payload == WAKE_ALL:
+                        if payload in self._queues:
                             self._wake()
+                        elif payload == WAKE_ALL:
+                            self._wake_all()
             except Exception as exc:
                 self.listening.clear()
                 if not is_transient(exc):

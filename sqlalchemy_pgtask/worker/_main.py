@@ -39,8 +39,9 @@ def run(
     """Run a `Worker` until SIGTERM or SIGINT (or `Worker.shutdown`), then return.
 
     With ``handle_signals`` (main thread only) the first signal drains, the second stops at
-    once. ``restore_signals=False`` keeps ignoring signals after the worker stopped, for a
-    process that exits right after (the ``pgtask worker`` command).
+    once. ``restore_signals=False`` ignores the two signals once the worker stopped, for a
+    process that exits right after (the ``pgtask worker`` command): a late signal must not
+    turn its clean exit into a death by signal.
 
     :raises WorkerCrashed: an internal loop failed (the process should exit non-zero).
     """
@@ -67,6 +68,7 @@ def run(
     try:
         asyncio.run(worker.run())
     finally:
-        if restore_signals:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+        for signum, handler in previous.items():
+            # SIG_IGN, not a Python handler: the interpreter resets Python handlers to the
+            # default (death by that signal) while it exits, but leaves ignored signals alone.
+            signal.signal(signum, handler if restore_signals else signal.SIG_IGN)

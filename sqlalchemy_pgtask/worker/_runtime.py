@@ -148,7 +148,8 @@ class Worker:
             lock_timeout=options.effective_lock_timeout,
         )
         self._listener = Listener(
-            self._engine, self.queues, wake=self._wake_all, connect_timeout=max(lease, 10.0)
+            self._engine, self.queues, wake=self._wake.set, wake_all=self._wake_all,
+            connect_timeout=max(lease, 10.0),
         )
         self._loops: dict[str, asyncio.Task[None]] = {}
         self._crashed: tuple[str, BaseException] | None = None
@@ -262,7 +263,9 @@ class Worker:
         task.add_done_callback(ended)
 
     def _wake_all(self) -> None:
+        """Claim and run the maintenance services now (a reconnect, or the clock moved)."""
         self._wake.set()
+        self._maintenance.wake()
 
     async def _check_schema(self) -> None:
         async with self._engine.connect() as conn:

@@ -1,0 +1,79 @@
+"""``pgtask worker`` and the signals of its lifetime (issue 6, B4 and B7).
+
+A second SIGTERM or SIGINT may arrive at any moment of a shutdown, including while the event
+loop closes and the interpreter exits: the worker still exits 0. An internal failure no retry
+can fix stops the worker with a non-zero exit instead of leaving a zombie that renews leases.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+
+import pytest
+
+from tests.acceptance.workerproc import Database, WorkerLauncher, wait_until
+
+#: Gaps between the first and the second signal; the shutdown of an idle worker takes about as
+#: long, so some of them land while the loop closes or the interpreter exits.
+GAPS = (0.0, 0.01, 0.03, 0.06, 0.12)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_second_signal_during_shutdown_still_exits_zero(
+    workers: WorkerLauncher, signum: signal.Signals
+) -> None:
+    for gap in GAPS:
+        worker = workers.start()
+        worker.send(signum)
+        time.sleep(gap)  # the fault: when the second signal lands
+        worker.send(signum)
+        code = worker.wait_exit(30)
+        assert code == 0, f"exit {code} with a second {signum.name} {gap}s later\n" + (
+            worker.describe()
+        )
+
+
+def test_a_third_signal_is_ignored_while_the_worker_stops(workers: WorkerLauncher) -> None:
+    worker = workers.start()
+    for _ in range(3):
+        worker.send(signal.SIGTERM)
+    assert worker.wait_exit(30) == 0, worker.describe()
+
+
+def test_a_loop_that_fails_for_good_ends_the_process_with_exit_1(
+    db: Database, workers: WorkerLauncher
+) -> None:
+    role = f"worker_{uuid.uuid4().hex[:10]}"
+    db.execute(f"CREATE ROLE {role} LOGIN")
+    try:
+        db.execute(f"GRANT USAGE ON SCHEMA pgtask TO {role}")
+        db.execute(f"GRANT ALL ON ALL TABLES IN SCHEMA pgtask TO {role}")
+        db.execute(f"GRANT ALL ON ALL SEQUENCES IN SCHEMA pgtask TO {role}")
+        db.execute(f"GRANT ALL ON acceptance_runs TO {role}")
+        url = db.url.replace("postgres@", f"{role}@", 1)
+        assert url != db.url
+        [task_id] = db.enqueue("job", {"sleep": 2.0})
+        worker = workers.start("--database-url", url)
+        # The role loses a privilege the outcome writer needs: no retry can fix that.
+        db.execute(f"REVOKE UPDATE ON pgtask.attempts FROM {role}")
+        code = worker.wait_exit(60)
+        assert code == 1, worker.describe()
+        log = worker.log()
+        assert "completer loop failed" in log
+        assert "Traceback" not in log.split("pgtask: error:")[-1]
+        assert db.state(task_id) == "running"  # left to recovery, not renewed by a zombie
+        wait_until(
+            lambda: not db.scalar(
+                "SELECT bool_or(expires_at > statement_timestamp()) FROM pgtask.workers"
+            ),
+            10, message="the crashed worker to be gone from the live workers",
+        )
+    finally:
+        db.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = :role",
+            role=role,
+        )
+        db.execute(f"DROP OWNED BY {role}")
+        db.execute(f"DROP ROLE {role}")
