@@ -7,18 +7,22 @@ policies and attempt budgets, bound as parallel arrays in the worker's queue ord
 
 from __future__ import annotations
 
+import typing
 import uuid
 from collections.abc import Sequence
 from typing import Any, Final, NamedTuple
 
 from sqlalchemy import (
     CTE,
+    Alias,
     Boolean,
     ColumnElement,
     Double,
+    FromClause,
     Integer,
     Select,
     Text,
+    alias,
     any_,
     bindparam,
     case,
@@ -108,9 +112,15 @@ def claim_params(
 # -- claim ---------------------------------------------------------------------------------
 
 
-def _pending() -> ColumnElement[bool]:
+#: Short aliases keep the claim's text under psycopg's 4 KiB cache limit for parsed queries
+#: (longer ones are parsed again on every execution).
+_CANDIDATE: Final = alias(tasks, "c")
+_CLAIMED: Final = typing.cast("Alias[Any]", alias(tasks, "t"))
+
+
+def _pending(table: FromClause = tasks) -> ColumnElement[bool]:
     # A literal so the planner can match the partial claim index in a generic plan.
-    return tasks.c.state == literal_column("'pending'")
+    return table.c.state == literal_column("'pending'")
 
 
 def _capabilities() -> CTE:
@@ -144,10 +154,10 @@ def _served() -> CTE:
     return select(order.c.name, order.c.ord).where(~paused).cte("served")
 
 
-def _capable(capabilities: CTE) -> ColumnElement[bool]:
-    return tuple_(tasks.c.name, tasks.c.version).in_(
+def _capable(capabilities: CTE, table: FromClause = tasks) -> ColumnElement[bool]:
+    return tuple_(table.c.name, table.c.version).in_(
         select(capabilities.c.name, capabilities.c.version).where(
-            capabilities.c.queue == tasks.c.queue
+            capabilities.c.queue == table.c.queue
         )
     )
 
@@ -162,16 +172,17 @@ CLAIMED_COLUMNS: Final = (
 def _claim() -> Select[Any]:
     capabilities = _capabilities()
     served = _served()
+    c, t = _CANDIDATE, _CLAIMED
     limit = bindparam("limit", type_=Integer)
     per_queue = (
-        select(tasks.c.id, tasks.c.priority, tasks.c.run_at)
+        select(c.c.id, c.c.priority, c.c.run_at)
         .where(
-            _pending(),
-            tasks.c.queue == served.c.name,
-            tasks.c.run_at <= NOW,
-            _capable(capabilities),
+            _pending(c),
+            c.c.queue == served.c.name,
+            c.c.run_at <= NOW,
+            _capable(capabilities, c),
         )
-        .order_by(tasks.c.priority.desc(), tasks.c.run_at, tasks.c.id)
+        .order_by(c.c.priority.desc(), c.c.run_at, c.c.id)
         .limit(limit)
         .with_for_update(skip_locked=True, key_share=True)  # FOR NO KEY UPDATE SKIP LOCKED
         .lateral("candidate")
@@ -183,36 +194,36 @@ def _claim() -> Select[Any]:
         .limit(limit)
         .cte("picked")
     )
-    unset = tasks.c.retry_kind.is_(None)
+    unset = t.c.retry_kind.is_(None)
     snapshot: dict[str, ColumnElement[Any]] = {
-        name: case((unset, capabilities.c[name]), else_=tasks.c[name])
+        name: case((unset, capabilities.c[name]), else_=t.c[name])
         for name in (
             "retry_kind", "retry_base_seconds", "retry_factor", "retry_max_seconds",
             "retry_jitter",
         )
     }
-    snapshot["max_attempts"] = func.coalesce(tasks.c.max_attempts, capabilities.c.max_attempts)
+    snapshot["max_attempts"] = func.coalesce(t.c.max_attempts, capabilities.c.max_attempts)
     worker_id = bindparam("worker_id", type_=UUID_T)
     claimed = (
-        update(tasks)
+        update(t)
         .where(
             # ANY(ARRAY(subquery)) always probes the primary key; a join to the CTE may get a
             # generic plan that ignores the LIMIT and scans the whole table.
-            tasks.c.id == any_(func.array(select(picked.c.id).scalar_subquery())),
-            capabilities.c.queue == tasks.c.queue,
-            capabilities.c.name == tasks.c.name,
-            capabilities.c.version == tasks.c.version,
+            t.c.id == any_(func.array(select(picked.c.id).scalar_subquery())),
+            capabilities.c.queue == t.c.queue,
+            capabilities.c.name == t.c.name,
+            capabilities.c.version == t.c.version,
         )
         .values(
             state=RUNNING,
-            attempt=tasks.c.attempt + 1,
+            attempt=t.c.attempt + 1,
             lease_token=func.gen_random_uuid(),
             lease_owner=worker_id,
             lease_expires_at=NOW + seconds(bindparam("lease_seconds", type_=Double)),
             updated_at=NOW,
             **snapshot,
         )
-        .returning(*(tasks.c[name] for name in CLAIMED_COLUMNS))
+        .returning(*(t.c[name] for name in CLAIMED_COLUMNS))
         .cte("claimed")
     )
     recorded = insert(attempts).from_select(

@@ -50,13 +50,14 @@ class ActiveAttempt:
 class AttemptBook:
     """Active attempts by task id, the slots in use, and the events that announce changes."""
 
-    def __init__(self, concurrency: int) -> None:
+    def __init__(self, concurrency: int, changed: asyncio.Event) -> None:
         self.concurrency = concurrency
         self.active: dict[uuid.UUID, ActiveAttempt] = {}
         #: Attempts whose handler has not finished: the slots in use.
         self.unsettled = 0
-        #: Set whenever a slot or an active entry frees up.
-        self.changed = asyncio.Event()
+        #: Set whenever a slot or an active entry frees up (the claim loop's wake-up event:
+        #: one event, so a full worker waits on one future per freed slot).
+        self.changed = changed
 
     def free_slots(self) -> int:
         return min(

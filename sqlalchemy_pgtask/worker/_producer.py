@@ -76,8 +76,7 @@ class Producer:
             self._wake.clear()
             free = self._book.free_slots()
             if free <= 0:
-                self._book.changed.clear()
-                await first(self._book.changed.wait(), self._wake.wait(), self._stopping.wait())
+                await self._wake.wait()  # a freed slot, a notification or a stop sets it
                 continue
             try:
                 full, seconds = await self._pass(free)
@@ -100,7 +99,7 @@ class Producer:
                 due_backoff.reset()
                 timeout = max(0.001, min(self._poll, seconds))
             logger.debug("idle: next claim within %.3fs", timeout)
-            await first(self._wake.wait(), self._stopping.wait(), timeout=timeout)
+            await first(self._wake.wait(), timeout=timeout)
 
     async def _pass(self, free: int) -> tuple[bool, float | None]:
         """Claim up to ``free``: whether all were filled, else seconds until the next is due

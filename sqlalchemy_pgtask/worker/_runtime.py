@@ -109,8 +109,8 @@ class Worker:
         capabilities = [
             Capability(d.queue, d.name, d.version, d.retry, d.max_attempts) for d in served
         ]
-        self._book = AttemptBook(options.concurrency)
         self._wake = asyncio.Event()
+        self._book = AttemptBook(options.concurrency, self._wake)
         self._stopping = asyncio.Event()
         self._immediate = asyncio.Event()
         self._ready = asyncio.Event()
