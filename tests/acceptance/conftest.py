@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.acceptance.workerproc import Database, WorkerLauncher, write_tasks_app
+from tests.support.workerproc import Database, WorkerLauncher, write_tasks_app
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 import subprocess
 import sys
 import uuid
@@ -16,7 +15,9 @@ import pytest
 from sqlalchemy import make_url
 
 from sqlalchemy_pgtask import WorkerOptions
-from tests.acceptance.workerproc import Database, WorkerLauncher, lines, run_cli, wait_until
+from tests.support.urls import closed_port_url
+from tests.support.waiting import wait_until
+from tests.support.workerproc import Database, WorkerLauncher, lines, run_cli
 
 
 def _assert_user_error(result: subprocess.CompletedProcess[str], *expected: str) -> str:
@@ -28,13 +29,6 @@ def _assert_user_error(result: subprocess.CompletedProcess[str], *expected: str)
     for text in expected:
         assert text in err[0], err[0]
     return err[0]
-
-
-def _closed_port_url() -> str:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"postgresql://postgres@127.0.0.1:{port}/postgres"
 
 
 def test_help_describes_commands_and_worker_options(app_dir: Path) -> None:
@@ -82,7 +76,7 @@ def test_worker_refuses_durations_that_are_not_finite_numbers(
 ) -> None:
     # The database is unreachable: a worker that accepted the value would fail on that instead.
     result = run_cli(
-        "worker", "tasks_app:registry", f"{option}={value}", "--database-url", _closed_port_url(),
+        "worker", "tasks_app:registry", f"{option}={value}", "--database-url", closed_port_url(),
         cwd=app_dir,
     )
     line = _assert_user_error(result, option, value)
@@ -144,7 +138,7 @@ def test_module_that_fails_to_import_is_reported_without_traceback(
 def test_unreachable_server_exits_1(app_dir: Path, command: str) -> None:
     args = {"worker": ["worker", "tasks_app:registry"], "status": ["status"],
             "migrate": ["migrate"]}[command]
-    result = run_cli(*args, "--database-url", _closed_port_url(), cwd=app_dir, timeout=60)
+    result = run_cli(*args, "--database-url", closed_port_url(), cwd=app_dir, timeout=60)
     _assert_user_error(result, "cannot reach the database")
     assert result.returncode == 1
 
@@ -432,7 +426,7 @@ def test_task_list_refuses_bad_filters_as_usage_errors(
     app_dir: Path, filters: list[str], expected: str
 ) -> None:
     # Refused before connecting: the database here is unreachable.
-    result = run_cli("task", "list", *filters, "--database-url", _closed_port_url(),
+    result = run_cli("task", "list", *filters, "--database-url", closed_port_url(),
                      cwd=app_dir)
     _assert_user_error(result, expected)
     assert result.returncode == 2

@@ -8,7 +8,6 @@ that does not parse. Exit code 1 is an operational failure, 2 a usage error.
 from __future__ import annotations
 
 import secrets
-import socket
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -19,7 +18,8 @@ from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.pool import NullPool
 
-from tests.acceptance.workerproc import Database, lines, run_cli
+from tests.support.urls import closed_port_url
+from tests.support.workerproc import Database, lines, run_cli
 
 #: Every command that connects, with the arguments it needs besides the URL.
 COMMANDS: dict[str, list[str]] = {
@@ -49,13 +49,6 @@ def _one_line_error(result: subprocess.CompletedProcess[str], code: int, *expect
     for fragment in expected:
         assert fragment in line, line
     return line
-
-
-def _closed_port_url() -> str:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"postgresql://postgres@127.0.0.1:{port}/postgres"
 
 
 @pytest.fixture
@@ -91,7 +84,7 @@ def test_a_url_with_a_non_numeric_port_is_a_usage_error(app_dir: Path, command: 
 @pytest.mark.parametrize("command", ["task list", "task show", "task cancel", "queue list",
                                      "queue set"])
 def test_a_refused_connection_exits_1(app_dir: Path, command: str) -> None:
-    result = _run(app_dir, command, _closed_port_url())
+    result = _run(app_dir, command, closed_port_url())
 
     _one_line_error(result, 1, "cannot reach the database")
 

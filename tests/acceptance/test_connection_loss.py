@@ -9,7 +9,8 @@ from datetime import datetime, timezone
 from sqlalchemy import make_url, text
 
 from sqlalchemy_pgtask.testing import ServerInfo
-from tests.acceptance.workerproc import (
+from tests.support.waiting import wait_until
+from tests.support.workerproc import (
     LEASE_SECONDS,
     TEST_APPLICATION,
     Database,
@@ -17,7 +18,6 @@ from tests.acceptance.workerproc import (
     WorkerProcess,
     listener_pids,
     terminate_backends,
-    wait_until,
 )
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.acceptance.workerproc import Database, WorkerLauncher, cli_env, wait_until
+from tests.support.waiting import wait_until
+from tests.support.workerproc import Database, WorkerLauncher, cli_env
 
 LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 DELAY = 2.0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.acceptance.workerproc import cli_env, run_cli
+from tests.support.workerproc import cli_env, run_cli
 
 
 def _processes_mentioning(path: str) -> list[str]:

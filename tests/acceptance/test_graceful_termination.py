@@ -9,14 +9,14 @@ import time
 
 import pytest
 
-from tests.acceptance.workerproc import (
+from tests.support.waiting import wait_until
+from tests.support.workerproc import (
     LEASE_SECONDS,
     Database,
     WorkerLauncher,
     WorkerProcess,
     lines,
     run_cli,
-    wait_until,
 )
 
 

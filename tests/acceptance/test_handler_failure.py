@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.acceptance.workerproc import Database, WorkerLauncher, wait_until
+from tests.support.waiting import wait_until
+from tests.support.workerproc import Database, WorkerLauncher
 
 
 @pytest.mark.parametrize("handler", ["job", "job-sync"])

@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import signal
 
-from tests.acceptance.workerproc import (
-    Database,
-    EnqueueRequest,
-    WorkerLauncher,
-    describe_all,
-    wait_until,
-)
+from sqlalchemy_pgtask import EnqueueRequest
+from tests.support.waiting import wait_until
+from tests.support.workerproc import Database, WorkerLauncher, describe_all
 
 WORKERS = 3
 TASKS = 300

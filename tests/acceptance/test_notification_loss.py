@@ -10,15 +10,15 @@ import time
 import psycopg
 import pytest
 
-from tests.acceptance.workerproc import (
+from tests.support.urls import libpq_url
+from tests.support.waiting import wait_until
+from tests.support.workerproc import (
     LISTENER,
     POLL_SECONDS,
     Database,
     WorkerLauncher,
-    libpq_url,
     listener_pids,
     terminate_backends,
-    wait_until,
 )
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import signal
 
-from tests.acceptance.workerproc import Database, WorkerLauncher, describe_all, wait_until
+from tests.support.waiting import wait_until
+from tests.support.workerproc import Database, WorkerLauncher, describe_all
 
 
 def test_killed_worker_task_is_reclaimed_by_another_worker_after_lease_expiry(

@@ -13,7 +13,8 @@ import uuid
 
 import pytest
 
-from tests.acceptance.workerproc import Database, WorkerLauncher, wait_until
+from tests.support.waiting import wait_until
+from tests.support.workerproc import Database, WorkerLauncher
 
 #: Gaps between the first and the second signal; the shutdown of an idle worker takes about as
 #: long, so some of them land while the loop closes or the interpreter exits.

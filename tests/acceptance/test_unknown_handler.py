@@ -4,7 +4,8 @@ as work no live worker can run."""
 
 from __future__ import annotations
 
-from tests.acceptance.workerproc import Database, WorkerLauncher, lines, run_cli, wait_until
+from tests.support.waiting import wait_until
+from tests.support.workerproc import Database, WorkerLauncher, lines, run_cli
 
 
 def test_unregistered_tasks_stay_pending_and_status_reports_them(

@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import pytest
-from sqlalchemy import Connection, Engine, create_engine, event, func, select, text
+from sqlalchemy import Connection, Engine, func, select, text
 from sqlalchemy.exc import DBAPIError, ProgrammingError
 from sqlalchemy.ext.asyncio import (
     AsyncConnection,
@@ -53,6 +53,7 @@ from sqlalchemy_pgtask import (
     wait_for_result_async,
 )
 from sqlalchemy_pgtask._connection import translated_errors
+from tests.support.engines import statements_of
 
 SyncCall = Callable[[Any], object]
 AsyncCall = Callable[[Any], Awaitable[object]]
@@ -78,12 +79,6 @@ ASYNC_CALLS: list[Any] = [
                  id="configure_queue_async"),
     pytest.param("list_queues", list_queues_async, id="list_queues_async"),
 ]
-
-
-def statements_of(engine: Engine) -> list[str]:
-    seen: list[str] = []
-    event.listen(engine, "before_cursor_execute", lambda *a: seen.append(a[2]))
-    return seen
 
 
 def task_names(engine: Engine) -> list[str]:
@@ -282,15 +277,6 @@ def assert_schema_not_installed(error: SchemaNotInstalled) -> None:
     cause = error.__cause__
     assert isinstance(cause, DBAPIError)
     assert getattr(cause.orig, "sqlstate", None) in {"42P01", "3F000", "42883"}
-
-
-@pytest.fixture
-def empty_engine(pgtask_empty_database_url: str) -> Iterator[Engine]:
-    engine = create_engine(pgtask_empty_database_url)
-    try:
-        yield engine
-    finally:
-        engine.dispose()
 
 
 @pytest.mark.parametrize("call", SYNC_ON_EMPTY)

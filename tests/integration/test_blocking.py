@@ -16,7 +16,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, make_url, select, text
+from sqlalchemy import Engine, select, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.orm import Session
@@ -33,7 +33,8 @@ from sqlalchemy_pgtask import (
     list_queues,
 )
 from sqlalchemy_pgtask.testing import drain, running_worker, wait_until
-from tests.integration.support import add, wait_for_state
+from tests.support.tasks import add, wait_for_state
+from tests.support.urls import libpq_url
 
 LEASE = 1.5
 FAST = WorkerOptions(lease_duration=LEASE, poll_interval=30.0, concurrency=4)
@@ -109,9 +110,7 @@ def runs(pgtask_engine: Engine, pgtask_database_url: str) -> str:
     """The ``runs`` table handlers record their executions in; yields a libpq URL to it."""
     with pgtask_engine.begin() as conn:
         conn.execute(text(_RUNS))
-    return make_url(pgtask_database_url).set(drivername="postgresql").render_as_string(
-        hide_password=False
-    )
+    return libpq_url(pgtask_database_url)
 
 
 def recording_registry(conninfo: str) -> Registry:

@@ -18,7 +18,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, event, make_url, select, text, update
+from sqlalchemy import Engine, event, select, text, update
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
@@ -38,9 +38,9 @@ from sqlalchemy_pgtask import (
     wait_for_result,
     wait_for_result_async,
 )
-from sqlalchemy_pgtask.testing import running_worker
-
-from .support import add, task_row, wait_for_state, wait_until
+from sqlalchemy_pgtask.testing import running_worker, wait_until
+from tests.support.tasks import add, task_row, wait_for_state
+from tests.support.urls import libpq_url
 
 LEASE = 1.5
 OPTIONS = WorkerOptions(lease_duration=LEASE, shutdown_grace=2.0)
@@ -62,10 +62,6 @@ async def attempt_states(engine: AsyncEngine, task_id: uuid.UUID) -> list[str]:
 async def request_cancel(engine: AsyncEngine, task_id: uuid.UUID) -> str | None:
     async with engine.begin() as conn:
         return await cancel_async(conn, task_id)
-
-
-def conninfo(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 # -- cancel --------------------------------------------------------------------------------
@@ -174,7 +170,7 @@ async def test_cancelling_a_running_sync_handler_sets_ctx_cancelled_and_check_ra
 
     task_id = await add(pgtask_async_engine, "long-sync")
     async with running_worker(registry, pgtask_database_url, OPTIONS):
-        await wait_until(started.is_set, 10, "the handler started")
+        await wait_until(started.is_set, 10, message="the handler started")
         assert await request_cancel(pgtask_async_engine, task_id) == "running"
         requested_at = time.monotonic()
         final = await wait_for_state(pgtask_async_engine, task_id)
@@ -199,7 +195,7 @@ async def test_a_success_returned_after_the_cancel_request_is_not_recorded(
     task_id = await add(pgtask_async_engine, "stubborn")
     try:
         async with running_worker(registry, pgtask_database_url, OPTIONS):
-            await wait_until(started.is_set, 10, "the handler started")
+            await wait_until(started.is_set, 10, message="the handler started")
             assert await request_cancel(pgtask_async_engine, task_id) == "running"
             go.set()  # the handler now returns its success, after the request
             final = await wait_for_state(pgtask_async_engine, task_id)
@@ -368,10 +364,10 @@ def assert_no_notification_for(url: str, task_id: uuid.UUID, finish: Callable[[]
     A sentinel notified afterwards from another transaction arrives after anything the
     finishing transaction sent (notifications are delivered in commit order).
     """
-    with psycopg.connect(conninfo(url), autocommit=True) as listener:
+    with psycopg.connect(libpq_url(url), autocommit=True) as listener:
         listener.execute("LISTEN pgtask_result")
         finish()
-        with psycopg.connect(conninfo(url), autocommit=True) as other:
+        with psycopg.connect(libpq_url(url), autocommit=True) as other:
             other.execute("SELECT pg_notify('pgtask_result', 'sentinel')")
         payloads = []
         for notification in listener.notifies(timeout=5):
@@ -438,7 +434,7 @@ async def test_wait_for_result_async_polls_when_the_notification_never_comes(
     waiter = asyncio.create_task(
         wait_for_result_async(pgtask_async_engine, task_id, timeout=10, poll_interval=0.05)
     )
-    await wait_until(first_read.is_set, 10, "the waiter read the task")
+    await wait_until(first_read.is_set, 10, message="the waiter read the task")
     assert not waiter.done()
     await asyncio.to_thread(
         assert_no_notification_for, pgtask_database_url, task_id,

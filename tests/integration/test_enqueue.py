@@ -28,6 +28,8 @@ from sqlalchemy_pgtask import (
     enqueue_many_async,
 )
 from sqlalchemy_pgtask.testing import DatabaseClock
+from tests.support.engines import statements_of
+from tests.support.urls import libpq_url
 
 
 def task_count(engine: Engine) -> int:
@@ -208,8 +210,7 @@ def test_enqueue_many_is_all_or_nothing_when_the_database_rejects_one(
 
 
 def _listener(database_url: str) -> psycopg.Connection[Any]:
-    conninfo = database_url.replace("postgresql+psycopg://", "postgresql://")
-    listener = psycopg.connect(conninfo, autocommit=True)
+    listener = psycopg.connect(libpq_url(database_url), autocommit=True)
     listener.execute("LISTEN pgtask_ready")
     return listener
 
@@ -497,16 +498,10 @@ def test_bad_input_leaves_the_transaction_usable(pgtask_engine: Engine, call: Ba
     assert names == ["after", "before"]
 
 
-def _statements_of(engine: Engine) -> list[str]:
-    seen: list[str] = []
-    event.listen(engine, "before_cursor_execute", lambda *a: seen.append(a[2]))
-    return seen
-
-
 def test_a_uniform_batch_sends_shared_options_once_and_stores_them_on_every_task(
     pgtask_engine: Engine,
 ) -> None:
-    seen = _statements_of(pgtask_engine)
+    seen = statements_of(pgtask_engine)
     shared: dict[str, Any] = {
         "queue": "bulk", "version": 2, "priority": 3, "max_attempts": 7, "delay": 60,
         "headers": {"trace": "x"},
@@ -535,7 +530,7 @@ def test_a_uniform_batch_sends_shared_options_once_and_stores_them_on_every_task
 def test_a_batch_with_one_different_option_still_stores_each_tasks_own(
     pgtask_engine: Engine,
 ) -> None:
-    seen = _statements_of(pgtask_engine)
+    seen = statements_of(pgtask_engine)
     requests = [EnqueueRequest(name="t", payload=n, priority=0) for n in range(5)]
     requests.append(EnqueueRequest(name="t", payload=5, priority=9))
     with Session(pgtask_engine) as session:

@@ -18,9 +18,10 @@ from typing import Any, cast
 import pytest
 from sqlalchemy import Connection, Engine, insert, select, text, update
 
-from sqlalchemy_pgtask import Attempt, Queue, RetryPolicy, Task, cancel, enqueue
+from sqlalchemy_pgtask import Queue, RetryPolicy, Task, cancel, enqueue
 from sqlalchemy_pgtask import statements as st
 from sqlalchemy_pgtask.outcome import error_document
+from tests.support.tasks import read_attempts, read_task
 
 LEASE = 30.0
 WORKER = uuid.UUID("00000000-0000-4000-8000-000000000001")
@@ -107,17 +108,6 @@ def add_task(engine: Engine, name: str = "job", **options: Any) -> uuid.UUID:
         return enqueue(conn, name, {"n": 1}, **options).id
 
 
-def task_row(conn: Connection, task_id: uuid.UUID) -> dict[str, Any]:
-    return dict(conn.execute(select(Task.__table__).where(Task.id == task_id)).mappings().one())
-
-
-def attempt_rows(conn: Connection, task_id: uuid.UUID) -> list[dict[str, Any]]:
-    rows = conn.execute(
-        select(Attempt.__table__).where(Attempt.task_id == task_id).order_by(Attempt.attempt)
-    ).mappings()
-    return [dict(row) for row in rows]
-
-
 def expire_lease(conn: Connection, task_id: uuid.UUID) -> None:
     conn.execute(
         text(
@@ -140,12 +130,12 @@ def test_claim_takes_a_lease_from_database_time_and_records_the_attempt(
     pgtask_engine: Engine, auto: Connection, observer: Connection
 ) -> None:
     task_id = add_task(pgtask_engine, max_attempts=4)
-    before = task_row(observer, task_id)
+    before = read_task(observer, task_id)
 
     [row] = claim(auto, lease=LEASE)
 
     # Committed by the statement itself: another connection sees it at once.
-    after = task_row(observer, task_id)
+    after = read_task(observer, task_id)
     assert row.id == task_id
     assert (after["state"], after["attempt"], after["failed_attempts"]) == ("running", 1, 0)
     assert isinstance(after["lease_token"], uuid.UUID)
@@ -155,7 +145,7 @@ def test_claim_takes_a_lease_from_database_time_and_records_the_attempt(
     assert after["updated_at"] > before["updated_at"]
     assert after["lease_expires_at"] == after["updated_at"] + timedelta(seconds=LEASE)
     assert after["completed_at"] is None
-    [attempt] = attempt_rows(observer, task_id)
+    [attempt] = read_attempts(observer, task_id)
     assert attempt == {
         "task_id": task_id, "attempt": 1, "lease_token": row.lease_token, "worker_id": WORKER,
         "state": "running", "started_at": after["updated_at"], "finished_at": None,
@@ -244,16 +234,16 @@ def test_unknown_name_or_version_stays_pending_with_attempt_zero(
     other_version = add_task(pgtask_engine, "job", version=2)
     known = add_task(pgtask_engine, "job", version=1)
     other_queue = add_task(pgtask_engine, "job", queue="elsewhere")
-    before = {i: task_row(auto, i) for i in (other_name, other_version, other_queue)}
+    before = {i: read_task(auto, i) for i in (other_name, other_version, other_queue)}
 
     rows = claim(auto, identities=[("job", 1)])
 
     assert [row.id for row in rows] == [known]
     for task_id, row in before.items():
-        assert task_row(auto, task_id) == row
+        assert read_task(auto, task_id) == row
         assert row["state"] == "pending"
         assert row["attempt"] == 0
-        assert attempt_rows(auto, task_id) == []
+        assert read_attempts(auto, task_id) == []
 
 
 def test_a_paused_queue_claims_nothing_until_resumed(
@@ -265,7 +255,7 @@ def test_a_paused_queue_claims_nothing_until_resumed(
             insert(Queue).values(name="default", paused_at=text("statement_timestamp()"))
         )
     assert claim(auto) == []
-    assert task_row(auto, task_id)["state"] == "pending"
+    assert read_task(auto, task_id)["state"] == "pending"
     auto.execute(update(Queue).where(Queue.name == "default").values(paused_at=None))
     assert [row.id for row in claim(auto)] == [task_id]
 
@@ -302,7 +292,7 @@ def test_the_retry_policy_is_snapshotted_at_first_claim_and_kept_on_later_claims
     pgtask_engine: Engine, auto: Connection, observer: Connection
 ) -> None:
     task_id = add_task(pgtask_engine)
-    assert task_row(observer, task_id)["retry_kind"] is None
+    assert read_task(observer, task_id)["retry_kind"] is None
     first_policy = RetryPolicy.exponential(base=3.0, factor=4.0, max=500.0, jitter=False)
     [first] = claim(auto, policy=first_policy)
     snapshot = ("exponential", 3.0, 4.0, 500.0, False)
@@ -315,7 +305,7 @@ def test_the_retry_policy_is_snapshotted_at_first_claim_and_kept_on_later_claims
     [second] = claim(auto, policy=RetryPolicy.fixed(9.0))
     assert second.attempt == 2
     assert tuple(getattr(second, c) for c in columns) == snapshot
-    row = task_row(observer, task_id)
+    row = read_task(observer, task_id)
     assert tuple(row[c] for c in columns) == snapshot
 
 
@@ -330,7 +320,7 @@ def test_renewal_extends_the_lease_from_database_time(
     assert renew(auto, lease_of(row), seconds=120.0) == [(task_id, False)]
     # RENEW does not touch updated_at, so measure against the database clock right after.
     now = auto.execute(text("SELECT statement_timestamp()")).scalar_one()
-    expires = task_row(auto, task_id)["lease_expires_at"]
+    expires = read_task(auto, task_id)["lease_expires_at"]
     assert timedelta(seconds=119) < expires - now <= timedelta(seconds=120)
 
 
@@ -341,7 +331,7 @@ def test_renewal_reports_a_cancel_request_and_keeps_the_lease(
     [row] = claim(auto)
     assert request_cancel(pgtask_engine, task_id) == "running"
     assert renew(auto, lease_of(row)) == [(task_id, True)]
-    assert task_row(auto, task_id)["state"] == "running"
+    assert read_task(auto, task_id)["state"] == "running"
 
 
 # -- complete, fail, release ---------------------------------------------------------------
@@ -353,7 +343,7 @@ def test_complete_records_success_with_the_result_and_clears_the_lease(
     task_id = add_task(pgtask_engine)
     [row] = claim(auto)
     assert complete(auto, lease_of(row), {"total": 42}) == [(task_id, "succeeded")]
-    after = task_row(auto, task_id)
+    after = read_task(auto, task_id)
     assert after["state"] == "succeeded"
     assert after["result"] == {"total": 42}
     assert after["error"] is None
@@ -362,7 +352,7 @@ def test_complete_records_success_with_the_result_and_clears_the_lease(
     )
     assert after["completed_at"] == after["updated_at"]
     assert (after["attempt"], after["failed_attempts"]) == (1, 0)
-    [attempt] = attempt_rows(auto, task_id)
+    [attempt] = read_attempts(auto, task_id)
     assert (attempt["state"], attempt["finished_at"], attempt["error"]) == (
         "succeeded", after["updated_at"], None,
     )
@@ -375,7 +365,7 @@ def test_fail_with_retry_reschedules_at_statement_time_plus_delay(
     [row] = claim(auto)
     document = error_document("handler_error", ValueError("flaky"))
     assert fail(auto, lease_of(row), delay=37.5, error=document) == [(task_id, "pending")]
-    after = task_row(auto, task_id)
+    after = read_task(auto, task_id)
     assert after["state"] == "pending"
     # updated_at is the FAIL statement's statement_timestamp().
     assert after["run_at"] == after["updated_at"] + timedelta(seconds=37.5)
@@ -385,7 +375,7 @@ def test_fail_with_retry_reschedules_at_statement_time_plus_delay(
     assert (after["lease_token"], after["lease_owner"], after["lease_expires_at"]) == (
         None, None, None,
     )
-    [attempt] = attempt_rows(auto, task_id)
+    [attempt] = read_attempts(auto, task_id)
     assert attempt["state"] == "failed"
     assert attempt["error"] == json.loads(document)
     assert attempt["finished_at"] == after["updated_at"]
@@ -396,14 +386,14 @@ def test_fail_with_retry_reschedules_at_statement_time_plus_delay(
 def test_fail_without_delay_is_terminal(pgtask_engine: Engine, auto: Connection) -> None:
     task_id = add_task(pgtask_engine, max_attempts=5)
     [row] = claim(auto)
-    run_at = task_row(auto, task_id)["run_at"]
+    run_at = read_task(auto, task_id)["run_at"]
     assert fail(auto, lease_of(row), delay=None) == [(task_id, "failed")]
-    after = task_row(auto, task_id)
+    after = read_task(auto, task_id)
     assert (after["state"], after["failed_attempts"], after["attempt"]) == ("failed", 1, 1)
     assert after["completed_at"] == after["updated_at"]
     assert after["run_at"] == run_at
     assert after["lease_token"] is None
-    assert [a["state"] for a in attempt_rows(auto, task_id)] == ["failed"]
+    assert [a["state"] for a in read_attempts(auto, task_id)] == ["failed"]
 
 
 def test_fail_with_delay_but_no_attempts_left_is_terminal(
@@ -414,10 +404,10 @@ def test_fail_with_delay_but_no_attempts_left_is_terminal(
     assert fail(auto, lease_of(first), delay=0.0) == [(task_id, "pending")]
     [second] = claim(auto)
     assert fail(auto, lease_of(second), delay=0.0) == [(task_id, "failed")]
-    after = task_row(auto, task_id)
+    after = read_task(auto, task_id)
     assert (after["state"], after["failed_attempts"], after["attempt"]) == ("failed", 2, 2)
     assert after["completed_at"] == after["updated_at"]
-    assert [a["state"] for a in attempt_rows(auto, task_id)] == ["failed", "failed"]
+    assert [a["state"] for a in read_attempts(auto, task_id)] == ["failed", "failed"]
 
 
 def test_release_hands_the_task_back_without_counting_a_failure(
@@ -426,12 +416,12 @@ def test_release_hands_the_task_back_without_counting_a_failure(
     task_id = add_task(pgtask_engine, max_attempts=1)
     [row] = claim(auto)
     assert release(auto, lease_of(row)) == [(task_id, "pending")]
-    after = task_row(auto, task_id)
+    after = read_task(auto, task_id)
     assert (after["state"], after["attempt"], after["failed_attempts"]) == ("pending", 1, 0)
     assert after["run_at"] == after["updated_at"]  # due again at once
     assert after["lease_token"] is None
     assert after["completed_at"] is None
-    [attempt] = attempt_rows(auto, task_id)
+    [attempt] = read_attempts(auto, task_id)
     assert (attempt["state"], attempt["finished_at"]) == ("released", after["updated_at"])
     # Even with max_attempts=1 the task runs again: a release is not a failure.
     [again] = claim(auto)
@@ -454,13 +444,13 @@ def test_a_cancel_request_wins_over_every_outcome_of_the_running_attempt(
     else:
         written = release(auto, lease_of(row))
     assert written == [(task_id, "cancelled")]
-    after = task_row(auto, task_id)
+    after = read_task(auto, task_id)
     assert after["state"] == "cancelled"
     assert after["result"] is None
     assert after["error"] == {"type": "cancelled"}
     assert after["failed_attempts"] == 0
     assert after["completed_at"] == after["updated_at"]
-    assert [a["state"] for a in attempt_rows(auto, task_id)] == ["cancelled"]
+    assert [a["state"] for a in read_attempts(auto, task_id)] == ["cancelled"]
 
 
 # -- fencing -------------------------------------------------------------------------------
@@ -505,10 +495,10 @@ def assert_no_write(
     The operations run one after the other on the same rows: since none may write, each one
     starts from the same state.
     """
-    before = (task_row(conn, task_id), attempt_rows(conn, task_id))
+    before = (read_task(conn, task_id), read_attempts(conn, task_id))
     for operation in OPERATIONS:
         assert stale_write(conn, operation, lease) == [], f"{operation} was written"
-        after = (task_row(conn, task_id), attempt_rows(conn, task_id))
+        after = (read_task(conn, task_id), read_attempts(conn, task_id))
         assert after == before, f"{operation} changed a row"
 
 
@@ -552,8 +542,8 @@ def test_the_current_attempt_still_writes_after_a_stale_one_was_refused(
     task_id, stale, current = reclaimed
     assert complete(auto, stale, "stale") == []
     assert complete(auto, current, "current") == [(task_id, "succeeded")]
-    assert task_row(auto, task_id)["result"] == "current"
-    assert [a["state"] for a in attempt_rows(auto, task_id)] == ["lost", "succeeded"]
+    assert read_task(auto, task_id)["result"] == "current"
+    assert [a["state"] for a in read_attempts(auto, task_id)] == ["lost", "succeeded"]
 
 
 def test_a_batch_writes_the_attempts_that_hold_their_lease_and_skips_the_rest(
@@ -567,7 +557,7 @@ def test_a_batch_writes_the_attempts_that_hold_their_lease_and_skips_the_rest(
     params = st.complete_params(leases, [json.dumps(i) for i in range(3)])
     written = {row.id for row in auto.execute(st.COMPLETE, params)}
     assert written == {ids[0], ids[2]}
-    assert task_row(auto, stolen)["state"] == "running"
+    assert read_task(auto, stolen)["state"] == "running"
 
 
 @pytest.mark.parametrize("operation", OPERATIONS)
@@ -598,7 +588,7 @@ def test_recovery_returns_an_expired_lease_to_pending_and_counts_a_failure(
     [row] = claim(auto)
     expire_lease(auto, task_id)
     assert recover(auto) == [(task_id, "pending")]
-    after = task_row(auto, task_id)
+    after = read_task(auto, task_id)
     assert (after["state"], after["attempt"], after["failed_attempts"]) == ("pending", 1, 1)
     assert after["run_at"] == after["updated_at"]  # due again at once
     assert after["error"] == {"type": "lease_expired"}
@@ -606,7 +596,7 @@ def test_recovery_returns_an_expired_lease_to_pending_and_counts_a_failure(
     assert (after["lease_token"], after["lease_owner"], after["lease_expires_at"]) == (
         None, None, None,
     )
-    [attempt] = attempt_rows(auto, task_id)
+    [attempt] = read_attempts(auto, task_id)
     assert attempt["lease_token"] == row.lease_token
     assert (attempt["state"], attempt["error"]) == ("lost", {"type": "lease_expired"})
     assert attempt["finished_at"] == after["updated_at"]
@@ -619,11 +609,11 @@ def test_recovery_fails_a_task_with_no_attempts_left(
     claim(auto)
     expire_lease(auto, task_id)
     assert recover(auto) == [(task_id, "failed")]
-    after = task_row(auto, task_id)
+    after = read_task(auto, task_id)
     assert (after["state"], after["failed_attempts"]) == ("failed", 1)
     assert after["completed_at"] == after["updated_at"]
     assert after["error"] == {"type": "lease_expired"}
-    assert [a["state"] for a in attempt_rows(auto, task_id)] == ["lost"]
+    assert [a["state"] for a in read_attempts(auto, task_id)] == ["lost"]
 
 
 def test_recovery_cancels_an_expired_task_whose_cancellation_was_requested(
@@ -634,19 +624,19 @@ def test_recovery_cancels_an_expired_task_whose_cancellation_was_requested(
     assert request_cancel(pgtask_engine, task_id) == "running"
     expire_lease(auto, task_id)
     assert recover(auto) == [(task_id, "cancelled")]
-    after = task_row(auto, task_id)
+    after = read_task(auto, task_id)
     assert (after["state"], after["failed_attempts"]) == ("cancelled", 0)
     assert after["error"] == {"type": "cancelled"}
     assert after["completed_at"] == after["updated_at"]
-    assert [a["state"] for a in attempt_rows(auto, task_id)] == ["lost"]
+    assert [a["state"] for a in read_attempts(auto, task_id)] == ["lost"]
 
 
 def test_recovery_leaves_live_leases_alone(pgtask_engine: Engine, auto: Connection) -> None:
     task_id = add_task(pgtask_engine)
     claim(auto)
-    before = task_row(auto, task_id)
+    before = read_task(auto, task_id)
     assert recover(auto) == []
-    assert task_row(auto, task_id) == before
+    assert read_task(auto, task_id) == before
 
 
 def test_recovery_works_in_bounded_batches_oldest_expiry_first(
@@ -680,7 +670,7 @@ def test_a_skipped_recovery_does_not_block_on_a_row_locked_by_a_writer(
         auto.execute(text("SET lock_timeout = '2s'"))
         assert recover(auto) == []  # skipped, not waited for
         writer.commit()
-    assert task_row(auto, task_id)["state"] == "succeeded"
+    assert read_task(auto, task_id)["state"] == "succeeded"
     assert recover(auto) == []
 
 
@@ -700,13 +690,13 @@ def test_each_attempt_row_ends_in_the_state_of_its_own_ending(
     release(auto, lease_of(third))  # attempt 3: released at shutdown
     [fourth] = claim(auto)
     complete(auto, lease_of(fourth), "done")  # attempt 4: succeeded
-    attempts = attempt_rows(auto, task_id)
+    attempts = read_attempts(auto, task_id)
     assert [a["state"] for a in attempts] == ["lost", "failed", "released", "succeeded"]
     # The release is not a failure: it must not inherit the task's error of attempt 2.
     assert [a["error"] is None for a in attempts] == [False, False, True, True]
     assert all(a["finished_at"] is not None for a in attempts)
     assert len({a["lease_token"] for a in attempts}) == 4
-    after = task_row(auto, task_id)
+    after = read_task(auto, task_id)
     assert (after["state"], after["attempt"], after["failed_attempts"]) == ("succeeded", 4, 2)
 
 
@@ -733,6 +723,6 @@ def test_every_error_document_is_accepted_by_jsonb_and_the_size_check(
         except RuntimeError as exc:
             document = error_document("handler_error", exc)
         assert fail(auto, lease_of(row), delay=None, error=document) == [(task_id, "failed")], label
-        stored = task_row(auto, task_id)["error"]
+        stored = read_task(auto, task_id)["error"]
         assert stored == json.loads(document), label
-        assert attempt_rows(auto, task_id)[0]["error"] == stored, label
+        assert read_attempts(auto, task_id)[0]["error"] == stored, label

@@ -20,6 +20,7 @@ from sqlalchemy.sql import ClauseElement
 
 from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask.worker._reconnect import PLANNER_SETTINGS
+from tests.support.urls import libpq_url
 
 
 def _positional(statement: ClauseElement, values: dict[str, Any]) -> tuple[str, list[Any]]:
@@ -68,8 +69,9 @@ def _claim_many(engine: Engine, count: int) -> None:
 def _plan_after_growth(engine: Engine, url: str, settings: tuple[tuple[str, str], ...]) -> str:
     values = statements.complete_params([statements.Lease(uuid.uuid4(), 1, uuid.uuid4())], ["null"])
     query, ordered = _positional(statements.COMPLETE, values)
-    conninfo = url.replace("postgresql+psycopg://", "postgresql://")
-    with psycopg.connect(conninfo, autocommit=True, cursor_factory=psycopg.ClientCursor) as conn:
+    with psycopg.connect(
+        libpq_url(url), autocommit=True, cursor_factory=psycopg.ClientCursor
+    ) as conn:
         cursor = conn.cursor()
         for name, value in settings:
             cursor.execute("SELECT set_config(%s, %s, false)", (name, value))

@@ -28,8 +28,8 @@ from sqlalchemy_pgtask import (
     configure_queue,
 )
 from sqlalchemy_pgtask.testing import running_worker, wait_until
-from tests.integration.support import add, attempt_rows, task_row, wait_for_state
 from tests.support.faultproxy import fault_proxy
+from tests.support.tasks import add, attempt_rows, task_row, wait_for_state
 
 FAST = WorkerOptions(lease_duration=1.5, poll_interval=30.0, shutdown_grace=2.0)
 

@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from sqlalchemy_pgtask.errors import InvalidOptionError, ServerNotFound
 from sqlalchemy_pgtask.testing import ServerInfo, provide_server
 from sqlalchemy_pgtask.testing._binaries import find_embedded
 from sqlalchemy_pgtask.testing._cluster import _sweep_stale_dirs, start_cluster
+from tests.support.waiting import wait_until
 
 URL_ENV = "PGTASK_TEST_SERVER_URL"
 BACKEND_ENV = "PGTASK_TEST_SERVER_BACKEND"
@@ -55,13 +55,8 @@ def _pid_gone(pid: int) -> bool:
     return False
 
 
-def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not _pid_gone(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+def _wait_for_exit(pid: int, what: str, timeout: float = 30.0) -> None:
+    wait_until(lambda: _pid_gone(pid), timeout, message=f"postgres {pid} to exit ({what})")
 
 
 def _inspect(info: ServerInfo) -> tuple[str, Path, int]:
@@ -101,7 +96,7 @@ def test_embedded_starts_connectable_server_and_cleans_up(monkeypatch: pytest.Mo
         version, data, pid = _inspect(info)
         assert "PostgreSQL 18." in version
         _create_database(info.url, "pgtask_server_check")
-    assert _wait_gone(pid), f"postgres {pid} still running after the context exited"
+    _wait_for_exit(pid, "the context exited")
     assert not data.parent.exists()
 
 
@@ -124,7 +119,7 @@ def test_local_backend_and_cleanup_after_exception(monkeypatch: pytest.MonkeyPat
     with pytest.raises(Boom) as excinfo:
         use_then_fail()
     data, pid = excinfo.value.args
-    assert _wait_gone(pid)
+    _wait_for_exit(pid, "the server failed")
     assert not data.parent.exists()
 
 
@@ -286,7 +281,7 @@ def test_server_dies_with_sigkilled_parent(tmp_path: Path) -> None:
         assert not _pid_gone(pid)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        assert _wait_gone(pid), f"postgres {pid} survived its parent's SIGKILL"
+        _wait_for_exit(pid, "its parent was killed with SIGKILL")
         # Nothing could remove the temp dir; the next start sweeps it.
         assert data.parent.exists()
         _sweep_stale_dirs(str(data.parent.parent))

@@ -40,9 +40,9 @@ from sqlalchemy_pgtask import (
     WorkerRecord,
     statements,
 )
-from sqlalchemy_pgtask.testing import running_worker
-
-from .support import add, attempt_rows, task_row, wait_for_state, wait_until
+from sqlalchemy_pgtask.testing import running_worker, wait_until
+from tests.support.tasks import add, attempt_rows, task_row, wait_for_state
+from tests.support.waiting import wait_event
 
 LEASE = 1.5
 FAST = WorkerOptions(
@@ -57,13 +57,6 @@ NO_JITTER = RetryPolicy.fixed(0.0, jitter=False)
 async def db_now(engine: AsyncEngine) -> Any:
     async with engine.connect() as conn:
         return (await conn.execute(text("SELECT statement_timestamp()"))).scalar_one()
-
-
-async def wait_event(event_: asyncio.Event | threading.Event, timeout: float = 10.0) -> None:
-    if isinstance(event_, asyncio.Event):
-        await asyncio.wait_for(event_.wait(), timeout)
-    else:
-        await wait_until(event_.is_set, timeout, "a handler's event")
 
 
 # -- handlers succeed ----------------------------------------------------------------------
@@ -384,7 +377,7 @@ async def test_an_exception_that_cannot_be_printed_still_fails_the_attempt(
     # lease durations, not forever.
     async with running_worker(registry, pgtask_database_url, FAST) as worker:
         row = await wait_for_state(pgtask_async_engine, task_id, timeout=3 * LEASE)
-        await wait_until(lambda: worker.active_count == 0, 2, "the slot is freed")
+        await wait_until(lambda: worker.active_count == 0, 2, message="the slot is freed")
     assert (row["state"], row["failed_attempts"]) == ("failed", 1)
     assert row["error"]["type"] == "handler_error"
     assert row["error"]["exception"].endswith("UnprintableError")
@@ -406,7 +399,7 @@ async def test_a_too_deeply_nested_result_is_a_terminal_result_rejected_failure(
     task_id = await add(pgtask_async_engine, "deep")
     async with running_worker(registry, pgtask_database_url, FAST) as worker:
         row = await wait_for_state(pgtask_async_engine, task_id, timeout=3 * LEASE)
-        await wait_until(lambda: worker.active_count == 0, 2, "the slot is freed")
+        await wait_until(lambda: worker.active_count == 0, 2, message="the slot is freed")
     assert (row["state"], row["failed_attempts"]) == ("failed", 1)
     assert row["error"]["type"] == "result_rejected"
 
@@ -465,7 +458,7 @@ async def test_a_crashing_handler_does_not_disturb_handlers_running_beside_it(
             # Both steady handlers are still running, untouched, while the others crashed.
             for task_id in steady:
                 assert (await task_row(pgtask_async_engine, task_id))["state"] == "running"
-            await wait_until(lambda: worker.active_count == 2, 5, "crashed slots freed")
+            await wait_until(lambda: worker.active_count == 2, 5, message="crashed slots freed")
             async_release.set()
             sync_release.set()
             survived = [await wait_for_state(pgtask_async_engine, i) for i in steady]
@@ -523,7 +516,7 @@ async def test_claims_never_exceed_the_concurrency(
                 states = (await conn.execute(select(Task.state))).scalars().all()
             return set(states) == {"succeeded"}
 
-        await wait_until(all_done, 20, "every task succeeded")
+        await wait_until(all_done, 20, message="every task succeeded")
     assert peak == concurrency
     # Finished attempts may wait for the outcome writer without holding a handler slot, but
     # no more of them than the concurrency: claimed-and-unrecorded stays within twice it.
@@ -589,7 +582,7 @@ async def test_lease_renewal_keeps_a_long_handler_alive_past_three_lease_duratio
             assert row["lease_expires_at"] > now - timedelta(seconds=0.1)
             return bool(now > claimed["updated_at"] + timedelta(seconds=3 * lease))
 
-        await wait_until(three_leases_passed, 15, "three lease durations")
+        await wait_until(three_leases_passed, 15, message="three lease durations")
         assert (await task_row(pgtask_async_engine, task_id))["lease_expires_at"] > first_expiry
         finish.set()
         row = await wait_for_state(pgtask_async_engine, task_id)
@@ -683,7 +676,7 @@ async def test_an_async_handler_whose_lease_was_taken_is_cancelled_and_writes_no
         before = await task_row(pgtask_async_engine, task_id)
         await wait_event(cancelled, 5)
         await wait_event(finally_ran, 5)
-        await wait_until(lambda: worker.active_count == 0, 5, "the slot is freed")
+        await wait_until(lambda: worker.active_count == 0, 5, message="the slot is freed")
         after = await task_row(pgtask_async_engine, task_id)
     assert after == before
     assert (after["state"], after["lease_token"], after["result"]) == ("running", thief, None)
@@ -717,8 +710,8 @@ async def test_a_sync_handler_whose_lease_was_taken_sees_it_and_its_result_is_di
         await wait_event(started)
         thief = await steal_lease(pgtask_async_engine, task_id)
         before = await task_row(pgtask_async_engine, task_id)
-        await wait_until(lambda: "reason" in observed, 10, "the handler saw the stop")
-        await wait_until(lambda: worker.active_count == 0, 5, "the slot is freed")
+        await wait_until(lambda: "reason" in observed, 10, message="the handler saw the stop")
+        await wait_until(lambda: worker.active_count == 0, 5, message="the slot is freed")
         after = await task_row(pgtask_async_engine, task_id)
     assert observed["cancelled"] is True
     assert observed["reason"] == "lease_lost"
@@ -777,7 +770,7 @@ async def test_a_worker_registers_its_capabilities_heartbeats_and_retires_on_shu
             assert row["expires_at"] > now, "the worker looked dead while running"
             return bool(now > registered["started_at"] + timedelta(seconds=1.5 * ttl))
 
-        await wait_until(past_the_ttl, 10, "longer than the TTL")
+        await wait_until(past_the_ttl, 10, message="longer than the TTL")
         assert (await worker_row(worker.id))["heartbeat_at"] > registered["heartbeat_at"]
 
         # An operator (or a cleanup job) deleted the row: the next heartbeat registers again.
@@ -791,7 +784,7 @@ async def test_a_worker_registers_its_capabilities_heartbeats_and_retires_on_shu
                 )
                 return len(count.all()) == 3
 
-        await wait_until(registered_again, 5, "the worker registered again")
+        await wait_until(registered_again, 5, message="the worker registered again")
 
     retired = await worker_row(worker.id)
     assert retired["draining"] is True
@@ -881,7 +874,7 @@ async def test_shutdown_hands_back_a_task_that_outlives_the_grace_period(
     assert attempt["state"] == "released"
     assert attempt["finished_at"] == row["updated_at"]
     # The sync thread finishing afterwards writes nothing.
-    await wait_until(finally_ran.is_set, 5, "the handler thread ended")
+    await wait_until(finally_ran.is_set, 5, message="the handler thread ended")
     assert await task_row(pgtask_async_engine, task_id) == row
 
 
@@ -916,7 +909,7 @@ async def test_shutdown_drains_a_handler_that_finishes_within_the_grace_period(
                 )
 
         # Operators see the worker draining while it still works.
-        await wait_until(marked_draining, 10, "the worker row says draining")
+        await wait_until(marked_draining, 10, message="the worker row says draining")
         # Enqueued while draining: a draining worker claims nothing new.
         late_id = await add(pgtask_async_engine, "finishing")
         # Leases are still renewed during the grace period: outlive two of them.
@@ -927,7 +920,7 @@ async def test_shutdown_drains_a_handler_that_finishes_within_the_grace_period(
             assert (row["state"], row["attempt"]) == ("running", 1), "the lease was lost"
             return bool(await db_now(pgtask_async_engine) > since + timedelta(seconds=2 * lease))
 
-        await wait_until(two_leases_passed, 10, "two lease durations while draining")
+        await wait_until(two_leases_passed, 10, message="two lease durations while draining")
         finish.set()
 
     async with running_worker(registry, pgtask_database_url, options) as worker:
@@ -963,7 +956,8 @@ async def test_an_idle_worker_does_not_busy_poll(pgtask_async_engine: AsyncEngin
     async with running_worker(registry, pgtask_async_engine, options):
         # The claim loop has gone idle once it asked when the next task is due.
         await wait_until(
-            lambda: any("EXTRACT(epoch" in s for _, s in executed), 5, "the first idle pass"
+            lambda: any("EXTRACT(epoch" in s for _, s in executed), 5,
+            message="the first idle pass",
         )
         window_start = time.monotonic()
         await asyncio.sleep(1.5)  # the measurement window, not a synchronisation

@@ -33,7 +33,7 @@ from sqlalchemy_pgtask import (
     statements,
 )
 from sqlalchemy_pgtask.testing import DatabaseClock, running_worker, wait_until
-from tests.integration.support import add, attempt_rows, task_row, wait_for_state
+from tests.support.tasks import add, attempt_rows, task_row, wait_for_state
 
 STATEMENTS = {
     name: getattr(statements, name)

@@ -15,54 +15,14 @@ from collections.abc import Iterator
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Connection, Engine, create_engine, text
+from sqlalchemy import Connection, Engine, text
 
 from sqlalchemy_pgtask import metadata
 from sqlalchemy_pgtask.alembic_env import include_name
 from sqlalchemy_pgtask.migrations import upgrade
 from sqlalchemy_pgtask.testing import ServerInfo, create_database, drop_database
-
-# One catalog fact per row, for every object of schema pgtask except the standalone
-# migrator's version table (which create_all never makes).
-_RELATIONS = text("""
-    SELECT c.relname, c.relkind::text, c.relpersistence::text,
-           coalesce((SELECT array_agg(o ORDER BY o) FROM unnest(c.reloptions) AS o), '{}'),
-           obj_description(c.oid, 'pg_class')
-    FROM pg_class AS c
-    JOIN pg_namespace AS n ON n.oid = c.relnamespace
-    WHERE n.nspname = 'pgtask'
-      AND c.relname NOT IN ('alembic_version', 'alembic_version_pkc')
-""")
-_COLUMNS = text("""
-    SELECT c.relname, a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull,
-           pg_get_expr(d.adbin, d.adrelid), a.attidentity::text, a.attgenerated::text,
-           coll.collname, col_description(c.oid, a.attnum)
-    FROM pg_attribute AS a
-    JOIN pg_class AS c ON c.oid = a.attrelid
-    JOIN pg_namespace AS n ON n.oid = c.relnamespace
-    LEFT JOIN pg_attrdef AS d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
-    LEFT JOIN pg_collation AS coll
-        ON coll.oid = a.attcollation AND a.attcollation <> (
-            SELECT t.typcollation FROM pg_type AS t WHERE t.oid = a.atttypid)
-    WHERE n.nspname = 'pgtask' AND c.relkind IN ('r', 'p') AND a.attnum > 0
-      AND NOT a.attisdropped AND c.relname <> 'alembic_version'
-""")
-_CONSTRAINTS = text("""
-    SELECT c.relname, con.conname, con.contype::text, pg_get_constraintdef(con.oid)
-    FROM pg_constraint AS con
-    JOIN pg_class AS c ON c.oid = con.conrelid
-    JOIN pg_namespace AS n ON n.oid = c.relnamespace
-    WHERE n.nspname = 'pgtask' AND c.relname <> 'alembic_version'
-""")
-_INDEXES = text("""
-    SELECT t.relname, i.relname, pg_get_indexdef(x.indexrelid)
-    FROM pg_index AS x
-    JOIN pg_class AS i ON i.oid = x.indexrelid
-    JOIN pg_class AS t ON t.oid = x.indrelid
-    JOIN pg_namespace AS n ON n.oid = t.relnamespace
-    WHERE n.nspname = 'pgtask' AND t.relname <> 'alembic_version'
-""")
-
+from tests.support.catalog import catalog_snapshot
+from tests.support.engines import engine_for
 
 _REVISIONS = ("pgtask_0001_initial", "pgtask_0002_runtime_v2")
 
@@ -82,40 +42,6 @@ def _documented_triggers() -> set[str]:
     return documented
 
 
-def catalog_snapshot(connection: Connection) -> list[str]:
-    """Schema pgtask as sorted, readable lines: relations, columns, constraints, indexes."""
-    lines: list[str] = []
-    for name, kind, persistence, options, comment in connection.execute(_RELATIONS):
-        lines.append(
-            f"relation {name}: kind={kind} persistence={persistence} options={options}"
-            f" comment={comment!r}"
-        )
-    for table, column, type_, not_null, default, identity, generated, collation, comment in (
-        connection.execute(_COLUMNS)
-    ):
-        facts = [type_, "NOT NULL" if not_null else "NULL"]
-        facts += [f"DEFAULT {default}"] if default is not None else []
-        facts += [f"identity={identity}"] if identity else []
-        facts += [f"generated={generated}"] if generated else []
-        facts += [f"COLLATE {collation}"] if collation is not None else []
-        facts += [f"comment={comment!r}"] if comment is not None else []
-        lines.append(f"column {table}.{column}: {' '.join(facts)}")
-    for table, name, kind, definition in connection.execute(_CONSTRAINTS):
-        lines.append(f"constraint {table}.{name} [{kind}]: {definition}")
-    for table, name, definition in connection.execute(_INDEXES):
-        lines.append(f"index {table}.{name}: {definition}")
-    return sorted(lines)
-
-
-def _snapshot(url: str) -> list[str]:
-    engine = create_engine(url)
-    try:
-        with engine.connect() as connection:
-            return catalog_snapshot(connection)
-    finally:
-        engine.dispose()
-
-
 @pytest.fixture
 def migrated_url(pgtask_empty_database_url: str) -> str:
     """An empty database with the shipped revisions applied by the standalone migrator."""
@@ -127,31 +53,27 @@ def migrated_url(pgtask_empty_database_url: str) -> str:
 def models_url(pgtask_server: ServerInfo) -> Iterator[str]:
     """A second empty database where the models are created with ``create_all``."""
     url = create_database(pgtask_server.url, "pgtask_models")
-    engine = create_engine(url)
     try:
-        with engine.begin() as connection:
+        with engine_for(url) as engine, engine.begin() as connection:
             connection.execute(text("CREATE SCHEMA pgtask"))
             metadata.create_all(connection)
         yield url
     finally:
-        engine.dispose()
         drop_database(url)
 
 
 @pytest.fixture
 def migrated_engine(migrated_url: str) -> Iterator[Engine]:
-    engine = create_engine(migrated_url)
-    try:
+    with engine_for(migrated_url) as engine:
         yield engine
-    finally:
-        engine.dispose()
 
 
 def test_revisions_on_an_empty_database_build_exactly_the_models_schema(
     migrated_url: str, models_url: str
 ) -> None:
-    from_revisions = _snapshot(migrated_url)
-    from_models = _snapshot(models_url)
+    with engine_for(migrated_url) as migrated, engine_for(models_url) as models:
+        from_revisions = catalog_snapshot(migrated)
+        from_models = catalog_snapshot(models)
 
     # The comparison is only as good as the snapshot: it must see every kind of object.
     assert {line.split(" ", 1)[0] for line in from_models} == {

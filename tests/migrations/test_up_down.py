@@ -7,10 +7,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
-from sqlalchemy import Connection, Engine, create_engine, text
+from sqlalchemy import Connection, Engine, text
 
 from sqlalchemy_pgtask.migrations import (
     ADVISORY_LOCK_KEY,
@@ -19,16 +18,8 @@ from sqlalchemy_pgtask.migrations import (
     head_revision,
     upgrade,
 )
-from tests.migrations.test_drift import catalog_snapshot
-
-
-@pytest.fixture
-def empty_engine(pgtask_empty_database_url: str) -> Iterator[Engine]:
-    engine = create_engine(pgtask_empty_database_url)
-    try:
-        yield engine
-    finally:
-        engine.dispose()
+from tests.support.catalog import catalog_snapshot
+from tests.support.waiting import wait_until
 
 
 def _relations(connection: Connection) -> set[str]:
@@ -56,11 +47,6 @@ def _revision(engine: Engine) -> str | None:
         return current_revision(connection)
 
 
-def _snapshot(engine: Engine) -> list[str]:
-    with engine.connect() as connection:
-        return catalog_snapshot(connection)
-
-
 def test_current_revision_is_none_before_and_head_after_upgrade(
     pgtask_empty_database_url: str, empty_engine: Engine
 ) -> None:
@@ -75,7 +61,7 @@ def test_downgrade_to_base_removes_every_object_and_upgrade_rebuilds_the_same_sc
     pgtask_empty_database_url: str, empty_engine: Engine
 ) -> None:
     upgrade(pgtask_empty_database_url)
-    installed = _snapshot(empty_engine)
+    installed = catalog_snapshot(empty_engine)
     with empty_engine.connect() as connection:
         assert "tasks" in _relations(connection)
         assert _functions(connection)
@@ -91,7 +77,7 @@ def test_downgrade_to_base_removes_every_object_and_upgrade_rebuilds_the_same_sc
     upgrade(pgtask_empty_database_url)
 
     assert _revision(empty_engine) == head_revision()
-    assert _snapshot(empty_engine) == installed
+    assert catalog_snapshot(empty_engine) == installed
 
 
 def test_a_second_upgrade_changes_nothing(
@@ -107,7 +93,7 @@ def test_a_second_upgrade_changes_nothing(
         with empty_engine.begin() as connection:
             connection.execute(text("INSERT INTO pgtask.queues (name) VALUES ('kept')"))
             tasks_oid = connection.execute(text("SELECT 'pgtask.tasks'::regclass::oid")).scalar()
-        installed = _snapshot(empty_engine)
+        installed = catalog_snapshot(empty_engine)
 
         upgrade(pgtask_empty_database_url)
 
@@ -119,26 +105,23 @@ def test_a_second_upgrade_changes_nothing(
         assert connection.execute(text("SELECT name FROM pgtask.queues")).scalars().all() == [
             "kept"
         ]
-    assert _snapshot(empty_engine) == installed
+    assert catalog_snapshot(empty_engine) == installed
     assert _revision(empty_engine) == head_revision()
 
 
 def _wait_for_advisory_lock_waiters(engine: Engine, count: int, timeout: float = 60) -> None:
     """Poll pg_locks until ``count`` sessions of this database wait for an advisory lock."""
-    deadline = time.monotonic() + timeout
-    with engine.connect() as connection:
-        while True:
-            waiting = connection.execute(text("""
+
+    def waiting() -> bool:
+        with engine.connect() as connection:  # a fresh snapshot for every look
+            waiters = connection.execute(text("""
                 SELECT count(*) FROM pg_locks
                 WHERE locktype = 'advisory' AND NOT granted
                   AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
             """)).scalar_one()
-            connection.rollback()  # a fresh snapshot for the next look
-            if waiting >= count:
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"only {waiting} of {count} upgrades wait for the lock")
-            time.sleep(0.01)  # polling interval only: the observed condition decides
+        return bool(waiters >= count)
+
+    wait_until(waiting, timeout, 0.01, message=f"{count} upgrades to wait for the lock")
 
 
 def _assert_one_schema_at_head(engine: Engine) -> None:

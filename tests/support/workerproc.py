@@ -10,8 +10,9 @@ The acceptance tests treat the worker as a black box, the way an operator runs i
   deadline) until the worker is registered and live, and kills whatever is left at teardown.
 * `Database` is a test-side view of the same database through fresh connections (``NullPool``),
   so killing every backend of the database never breaks the test's own next query.
-* `wait_until` is the only way these tests wait: poll a condition until a deadline, never a
-  bare sleep.
+
+They wait with `tests.support.waiting.wait_until`: poll a condition until a deadline, never a
+bare sleep.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any
 
-from sqlalchemy import Row, create_engine, make_url, text
+from sqlalchemy import Row, create_engine, text
 from sqlalchemy.pool import NullPool
 
 from sqlalchemy_pgtask import EnqueueRequest, enqueue_many
+from tests.support.urls import libpq_url
+from tests.support.waiting import wait_until
 
 __all__ = [
     "LEASE_SECONDS",
@@ -40,17 +43,14 @@ __all__ = [
     "RUNS_TABLE",
     "TEST_APPLICATION",
     "Database",
-    "EnqueueRequest",
     "WorkerLauncher",
     "WorkerProcess",
     "cli_env",
     "describe_all",
-    "libpq_url",
     "lines",
     "listener_pids",
     "run_cli",
     "terminate_backends",
-    "wait_until",
     "write_tasks_app",
 ]
 
@@ -69,8 +69,6 @@ LEASE_SECONDS = 1.5
 POLL_SECONDS = 1.0
 STARTUP_TIMEOUT = 30.0
 STOP_TIMEOUT = 10.0
-
-_T = TypeVar("_T")
 
 _TASKS_APP = '''\
 """tasks_app: handlers for pgtask's acceptance tests; the payload decides what they do.
@@ -175,34 +173,6 @@ def write_tasks_app(directory: Path) -> Path:
     path = directory / "tasks_app.py"
     path.write_text(_TASKS_APP.replace("{test_application}", TEST_APPLICATION))
     return path
-
-
-def libpq_url(url: str) -> str:
-    """The same database as a plain libpq URL (``postgresql://``), for psycopg itself."""
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-
-
-def wait_until(
-    predicate: Callable[[], _T],
-    timeout: float,
-    interval: float = 0.05,
-    *,
-    message: str = "condition",
-    describe: Callable[[], str] | None = None,
-) -> _T:
-    """Poll ``predicate`` until it returns something truthy, and return that; fail at deadline.
-
-    ``describe`` adds context (a worker's log, say) to the failure message.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            extra = f"\n{describe()}" if describe else ""
-            raise AssertionError(f"timed out after {timeout:.1f} s waiting for {message}{extra}")
-        time.sleep(interval)  # polling interval, not synchronisation
 
 
 class Database:

@@ -1,0 +1,36 @@
+"""engines: SQLAlchemy engines on test databases, and the statements they send; never shared.
+
+* `engine_for` opens an engine on a URL for the body of a ``with`` and disposes of it after.
+* `statements_of` records every statement an engine sends from now on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+
+__all__ = ["engine_for", "statements_of"]
+
+
+@contextlib.contextmanager
+def engine_for(url: str, **options: Any) -> Iterator[Engine]:
+    """An engine on ``url`` (``create_engine`` options as keywords), disposed of afterwards."""
+    engine = create_engine(url, **options)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+def statements_of(engine: Engine) -> list[str]:
+    """A list that fills with the SQL text of every statement ``engine`` sends from now on."""
+    seen: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        seen.append(statement)
+
+    event.listen(engine, "before_cursor_execute", record)
+    return seen
