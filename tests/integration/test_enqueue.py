@@ -245,8 +245,9 @@ def test_capacity_raises_pt001_and_frees_when_a_task_finishes(pgtask_engine: Eng
         session.commit()
         with pytest.raises(QueueFull, match="capacity of 2") as caught:
             enqueue(session, "t", queue="small")
-        assert caught.value.__cause__ is not None
-        assert getattr(caught.value.__cause__.orig, "sqlstate", None) == "PT001"  # type: ignore[attr-defined]
+        cause = caught.value.__cause__
+        assert isinstance(cause, DBAPIError)
+        assert getattr(cause.orig, "sqlstate", None) == "PT001"
         session.rollback()
         # A terminal transition frees one slot, whoever writes it.
         session.execute(

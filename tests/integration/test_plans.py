@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import psycopg
@@ -23,9 +24,11 @@ from sqlalchemy_pgtask.worker._reconnect import PLANNER_SETTINGS
 from tests.support.urls import libpq_url
 
 
-def _positional(statement: ClauseElement, values: dict[str, Any]) -> tuple[str, list[Any]]:
+def _positional(statement: ClauseElement, values: Mapping[str, Any]) -> tuple[str, list[Any]]:
     """The statement with ``$n`` placeholders (for PREPARE), and its values in order."""
-    compiled = statement.compile(dialect=postgresql.psycopg.dialect())
+    # SQLAlchemy's dialect classes have unannotated constructors.
+    dialect = postgresql.psycopg.dialect()  # type: ignore[no-untyped-call]
+    compiled = statement.compile(dialect=dialect)
     params = {**compiled.params, **values}
     names: list[str] = []
 

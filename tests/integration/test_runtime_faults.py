@@ -269,9 +269,9 @@ async def test_a_loop_that_fails_for_good_stops_the_worker_instead_of_leaving_a_
     # The worker did not keep its lease alive: the task is left for recovery.
     row = await task_row(pgtask_async_engine, task_id)
     assert row["state"] == "running"
-    async with pgtask_async_engine.connect() as conn:
+    async with pgtask_async_engine.connect() as reader:
         alive = (
-            await conn.execute(
+            await reader.execute(
                 select(WorkerRecord.expires_at > text("pgtask.now()")).where(
                     WorkerRecord.id == worker.id
                 )

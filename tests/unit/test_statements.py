@@ -19,6 +19,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 
 from sqlalchemy_pgtask import RetryPolicy, statements
 
+# SQLAlchemy's dialect classes have unannotated constructors.
 DIALECT = psycopg.dialect()  # type: ignore[no-untyped-call]
 
 #: Everything the worker runs on a schedule or per task.
