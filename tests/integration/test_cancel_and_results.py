@@ -35,12 +35,14 @@ from sqlalchemy_pgtask import (
     enqueue,
     get_task,
     get_task_async,
+    statements,
     wait_for_result,
     wait_for_result_async,
 )
-from sqlalchemy_pgtask.testing import running_worker, wait_until
+from sqlalchemy_pgtask.testing import running_worker
 from tests.support.tasks import add, task_row, wait_for_state
 from tests.support.urls import libpq_url
+from tests.support.waiting import PATIENCE, SLOW_POLL, wait_event
 
 LEASE = 1.5
 OPTIONS = WorkerOptions(lease_duration=LEASE, shutdown_grace=2.0)
@@ -62,6 +64,41 @@ async def attempt_states(engine: AsyncEngine, task_id: uuid.UUID) -> list[str]:
 async def request_cancel(engine: AsyncEngine, task_id: uuid.UUID) -> str | None:
     async with engine.begin() as conn:
         return await cancel_async(conn, task_id)
+
+
+class RenewalWatch:
+    """Watches the lease renewals a worker on ``engine`` begins after `start` is called.
+
+    For each one it notes whether the handler (its `TaskContext`, once `handler` is set) had
+    already been told to stop when that renewal began. A cancellation delivered by the first
+    renewal after the request shows as ``[False]`` (or ``[]`` when a renewal already under way
+    at the request delivered it), followed by nothing but ``True``.
+    """
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.handler: TaskContext | None = None
+        self.seen: list[bool] = []
+        self._watching = False
+        event.listen(engine.sync_engine, "before_cursor_execute", self._on_execute)
+
+    def start(self) -> None:
+        self._watching = True
+
+    def _on_execute(
+        self, conn: Any, cursor: Any, statement: str, parameters: Any, context: Any,
+        executemany: bool,
+    ) -> None:
+        compiled = getattr(context, "compiled", None)
+        if self._watching and compiled is not None and compiled.statement is statements.RENEW:
+            assert self.handler is not None
+            self.seen.append(self.handler.cancelled)
+
+    def assert_stopped_by_the_next_renewal(self) -> None:
+        assert self.handler is not None
+        assert self.handler.stop_reason == "cancelled"  # only a renewal tells a running handler
+        assert False not in self.seen[1:], (
+            f"renewals after the cancel request, handler told to stop yet: {self.seen}"
+        )
 
 
 # -- cancel --------------------------------------------------------------------------------
@@ -113,36 +150,37 @@ def test_cancel_joins_the_callers_transaction_and_never_commits(pgtask_engine: E
 
 
 async def test_cancelling_a_running_async_handler_stops_it_within_a_third_of_the_lease(
-    pgtask_database_url: str, pgtask_async_engine: AsyncEngine
+    pgtask_async_engine: AsyncEngine,
 ) -> None:
     registry = Registry()
     started, stopped = asyncio.Event(), asyncio.Event()
-    stopped_at: list[float] = []
+    renewals = RenewalWatch(pgtask_async_engine)
 
     @registry.task("long")
     async def long(ctx: TaskContext, payload: None) -> str:
+        renewals.handler = ctx
         started.set()
         try:
-            await asyncio.wait_for(asyncio.Event().wait(), 30)
+            await asyncio.wait_for(asyncio.Event().wait(), 2 * PATIENCE)
         except asyncio.CancelledError:
-            stopped_at.append(time.monotonic())
             stopped.set()
             raise
         return "should not get here"
 
     task_id = await add(pgtask_async_engine, "long", max_attempts=3)
-    async with running_worker(registry, pgtask_database_url, OPTIONS):
-        await asyncio.wait_for(started.wait(), 10)
+    async with running_worker(registry, pgtask_async_engine, OPTIONS):
+        await wait_event(started, PATIENCE)
         assert await request_cancel(pgtask_async_engine, task_id) == "running"
-        requested_at = time.monotonic()
+        renewals.start()
         # Still running: the request is recorded, the handler is stopped by its worker.
         row = await task_row(pgtask_async_engine, task_id)
         assert (row["state"], row["completed_at"]) == ("running", None)
         assert row["cancel_requested_at"] is not None
-        await asyncio.wait_for(stopped.wait(), 5)
-        final = await wait_for_state(pgtask_async_engine, task_id)
-    # Renewal runs every lease/3; allow one more third for the round trip on a busy machine.
-    assert stopped_at[0] - requested_at < 2 * LEASE / 3
+        await wait_event(stopped, PATIENCE)
+        final = await wait_for_state(pgtask_async_engine, task_id, timeout=PATIENCE)
+    # Renewal runs every lease/3, and the first one after the request stopped the handler: no
+    # later renewal found it still going (however long each took on a busy machine).
+    renewals.assert_stopped_by_the_next_renewal()
     assert final["state"] == "cancelled"
     assert (final["result"], final["error"]) == (None, {"type": "cancelled"})
     assert (final["attempt"], final["failed_attempts"]) == (1, 0)
@@ -151,31 +189,32 @@ async def test_cancelling_a_running_async_handler_stops_it_within_a_third_of_the
 
 
 async def test_cancelling_a_running_sync_handler_sets_ctx_cancelled_and_check_raises(
-    pgtask_database_url: str, pgtask_async_engine: AsyncEngine
+    pgtask_async_engine: AsyncEngine,
 ) -> None:
     registry = Registry()
     started = threading.Event()
     seen: dict[str, Any] = {}
+    renewals = RenewalWatch(pgtask_async_engine)
 
     @registry.task("long-sync")
     def long_sync(ctx: TaskContext, payload: None) -> str:
+        renewals.handler = ctx
         started.set()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 2 * PATIENCE
         while not ctx.cancelled and time.monotonic() < deadline:
             time.sleep(0.01)  # the handler's own unit of work
-        seen["at"] = time.monotonic()
         seen["reason"] = ctx.stop_reason
         ctx.check()  # raises TaskCancelled
         return "should not get here"
 
     task_id = await add(pgtask_async_engine, "long-sync")
-    async with running_worker(registry, pgtask_database_url, OPTIONS):
-        await wait_until(started.is_set, 10, message="the handler started")
+    async with running_worker(registry, pgtask_async_engine, OPTIONS):
+        await wait_event(started, PATIENCE)
         assert await request_cancel(pgtask_async_engine, task_id) == "running"
-        requested_at = time.monotonic()
-        final = await wait_for_state(pgtask_async_engine, task_id)
+        renewals.start()
+        final = await wait_for_state(pgtask_async_engine, task_id, timeout=PATIENCE)
     assert seen["reason"] == "cancelled"
-    assert seen["at"] - requested_at < 2 * LEASE / 3
+    renewals.assert_stopped_by_the_next_renewal()
     assert (final["state"], final["result"], final["failed_attempts"]) == ("cancelled", None, 0)
     assert await attempt_states(pgtask_async_engine, task_id) == ["cancelled"]
 
@@ -195,7 +234,7 @@ async def test_a_success_returned_after_the_cancel_request_is_not_recorded(
     task_id = await add(pgtask_async_engine, "stubborn")
     try:
         async with running_worker(registry, pgtask_database_url, OPTIONS):
-            await wait_until(started.is_set, 10, message="the handler started")
+            await wait_event(started)
             assert await request_cancel(pgtask_async_engine, task_id) == "running"
             go.set()  # the handler now returns its success, after the request
             final = await wait_for_state(pgtask_async_engine, task_id)
@@ -265,31 +304,30 @@ async def test_wait_for_result_returns_the_terminal_task_once_a_worker_finishes_
 
     @registry.task("answer")
     async def answer(ctx: TaskContext, payload: int) -> dict[str, int]:
-        await asyncio.wait_for(go.wait(), 10)
+        await asyncio.wait_for(go.wait(), PATIENCE)
         return {"answer": payload}
 
     sync_id = await add(pgtask_async_engine, "answer", 41)
     async_id = await add(pgtask_async_engine, "answer", 42)
     async with running_worker(registry, pgtask_database_url, OPTIONS):
-        # A 30 s poll: returning within seconds means the result notification woke them.
+        # Their poll is far longer than the deadline below (and each one's own timeout, after
+        # which it would read once more): returning within it means the notification woke them.
         sync_waiter = asyncio.create_task(
-            asyncio.to_thread(wait_for_result, pgtask_engine, sync_id, timeout=20,
-                              poll_interval=30)
+            asyncio.to_thread(wait_for_result, pgtask_engine, sync_id, timeout=2 * PATIENCE,
+                              poll_interval=SLOW_POLL)
         )
         async_waiter = asyncio.create_task(
-            wait_for_result_async(pgtask_async_engine, async_id, timeout=20, poll_interval=30)
+            wait_for_result_async(pgtask_async_engine, async_id, timeout=2 * PATIENCE,
+                                  poll_interval=SLOW_POLL)
         )
         await wait_for_state(pgtask_async_engine, sync_id, ("running",))
         await wait_for_state(pgtask_async_engine, async_id, ("running",))
         assert not sync_waiter.done()
         assert not async_waiter.done()
         go.set()
-        finished = time.monotonic()
         sync_task, async_task = await asyncio.wait_for(
-            asyncio.gather(sync_waiter, async_waiter), 10
+            asyncio.gather(sync_waiter, async_waiter), PATIENCE
         )
-        waited = time.monotonic() - finished
-    assert waited < 5
     # Detached and fully loaded: readable after its session closed.
     assert (sync_task.id, sync_task.state, sync_task.result) == (
         sync_id, "succeeded", {"answer": 41},
@@ -316,15 +354,22 @@ async def test_waiting_times_out_on_a_task_that_does_not_finish(
     pgtask_engine: Engine, pgtask_async_engine: AsyncEngine
 ) -> None:
     task_id = await add(pgtask_async_engine, "nobody-runs-this")
-    started = time.monotonic()
-    with pytest.raises(TimeoutError):
-        await wait_for_result_async(pgtask_async_engine, task_id, timeout=0.3, poll_interval=5)
-    with pytest.raises(TimeoutError):
-        await asyncio.to_thread(
-            wait_for_result, pgtask_engine, task_id, timeout=0.3, poll_interval=5
+    # The timeout bounds the wait even with a poll interval far longer than the deadline: the
+    # TimeoutError is the waiter's own (its message), not the deadline's.
+    with pytest.raises(TimeoutError, match=r"did not finish within 0\.3 s"):
+        await asyncio.wait_for(
+            wait_for_result_async(
+                pgtask_async_engine, task_id, timeout=0.3, poll_interval=SLOW_POLL
+            ),
+            PATIENCE,
         )
-    # The timeout bounds the wait even with a longer poll interval.
-    assert time.monotonic() - started < 3
+    with pytest.raises(TimeoutError, match=r"did not finish within 0\.3 s"):
+        await asyncio.wait_for(
+            asyncio.to_thread(
+                wait_for_result, pgtask_engine, task_id, timeout=0.3, poll_interval=SLOW_POLL
+            ),
+            PATIENCE,
+        )
 
 
 async def test_waiting_for_an_unknown_task_raises_task_not_found(
@@ -400,30 +445,29 @@ def test_wait_for_result_polls_when_the_notification_never_comes(
 
     def wait() -> None:
         try:
+            # Its timeout (after which it reads once more) is far beyond the join below.
             outcome["task"] = wait_for_result(
-                pgtask_engine, task_id, timeout=10, poll_interval=0.05
+                pgtask_engine, task_id, timeout=2 * PATIENCE, poll_interval=0.05
             )
-            outcome["returned_at"] = time.monotonic()
         except BaseException as exc:
             outcome["error"] = exc
 
-    waiter = threading.Thread(target=wait)
+    waiter = threading.Thread(target=wait, daemon=True)
     waiter.start()
     try:
-        assert first_read.wait(10), "the waiter never read the task"
+        assert first_read.wait(PATIENCE), "the waiter never read the task"
         assert "task" not in outcome  # it found the task pending and is waiting now
         assert_no_notification_for(
             pgtask_database_url, task_id,
             lambda: finish_without_notification(pgtask_engine, task_id),
         )
-        finished_at = time.monotonic()
     finally:
-        waiter.join(15)
+        waiter.join(PATIENCE)
+    assert not waiter.is_alive(), "the waiter did not find the task by polling"
     assert "error" not in outcome, outcome.get("error")
     assert (outcome["task"].state, outcome["task"].result) == ("succeeded", {"silent": True})
-    # Found by reading again, unprompted, within a few poll intervals (not at the timeout).
+    # Found by reading again, unprompted (no notification was sent), not at the timeout.
     assert len(reads) >= 2
-    assert outcome["returned_at"] - finished_at < 2
 
 
 async def test_wait_for_result_async_polls_when_the_notification_never_comes(
@@ -431,17 +475,17 @@ async def test_wait_for_result_async_polls_when_the_notification_never_comes(
 ) -> None:
     task_id = await add(pgtask_async_engine, "job")
     reads, first_read = count_task_reads(pgtask_async_engine.sync_engine)
+    # Its timeout (after which it reads once more) is far beyond the deadline below.
     waiter = asyncio.create_task(
-        wait_for_result_async(pgtask_async_engine, task_id, timeout=10, poll_interval=0.05)
+        wait_for_result_async(pgtask_async_engine, task_id, timeout=2 * PATIENCE,
+                              poll_interval=0.05)
     )
-    await wait_until(first_read.is_set, 10, message="the waiter read the task")
+    await wait_event(first_read, PATIENCE)
     assert not waiter.done()
     await asyncio.to_thread(
         assert_no_notification_for, pgtask_database_url, task_id,
         lambda: finish_without_notification(pgtask_engine, task_id),
     )
-    finished_at = time.monotonic()
-    task = await asyncio.wait_for(waiter, 10)
-    assert time.monotonic() - finished_at < 2  # a few poll intervals, not the timeout
+    task = await asyncio.wait_for(waiter, PATIENCE)  # found by a poll, not at the timeout
     assert (task.state, task.result) == ("succeeded", {"silent": True})
     assert len(reads) >= 2

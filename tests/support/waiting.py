@@ -1,7 +1,9 @@
 """waiting: wait for a condition or an event with a deadline; never a bare sleep as a signal.
 
-A deadline here only bounds a hang: it is generous, and a test never proves a guarantee by
-finishing before it. What a test proves, it proves by what happened, in which order.
+A deadline here only bounds a hang: it is generous (`PATIENCE`), and a test never proves a
+guarantee by finishing before it. What a test proves, it proves by what happened and in which
+order; where it must tell two wake-ups apart, it makes the other one far slower than
+`PATIENCE` (a poll interval of `SLOW_POLL`, say), so finishing at all tells them apart.
 
 * `wait_until` polls a synchronous predicate (the acceptance tests are synchronous; async tests
   use `sqlalchemy_pgtask.testing.wait_until`).
@@ -14,13 +16,20 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Final, TypeVar
 
 from sqlalchemy_pgtask.testing import wait_until as wait_until_async
 
-__all__ = ["wait_event", "wait_until"]
+__all__ = ["PATIENCE", "SLOW_POLL", "wait_event", "wait_until"]
 
 _T = TypeVar("_T")
+
+#: How long a test waits for something that is bound to happen: long enough for a loaded
+#: machine, so running out of it means a hang, never slowness.
+PATIENCE: Final = 60.0
+
+#: A poll interval far longer than `PATIENCE`: what happens within `PATIENCE` was not the poll.
+SLOW_POLL: Final = 600.0
 
 
 def wait_until(
