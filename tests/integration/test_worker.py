@@ -2,9 +2,11 @@
 
 Every test runs a real `Worker` (``running_worker``) against its own database, with short
 leases so lease behaviour shows within a second or two. Tests synchronise on events set by
-handlers and on database state polled with a deadline, never on a bare sleep. The default
-30-second poll interval is kept unless said otherwise, so a test that finishes quickly also
-proves the worker was woken by a notification or by the database's next ``run_at``.
+handlers and on database state polled with a deadline that only bounds a hang, never on a
+bare sleep. Retry delays, delayed tasks and lease expiry are reached by moving the database
+clock (``pgtask_clock``), not by waiting; the worker those tests run polls every 600 s, so a
+task that runs within the deadline was woken by a notification (the clock's move sends one)
+or by the database's next ``run_at``.
 """
 
 from __future__ import annotations
@@ -40,15 +42,22 @@ from sqlalchemy_pgtask import (
     WorkerRecord,
     statements,
 )
-from sqlalchemy_pgtask.testing import running_worker, wait_until
+from sqlalchemy_pgtask.testing import DatabaseClock, running_worker, wait_until
+from tests.support.engines import executions_of
 from tests.support.tasks import add, attempt_rows, task_row, wait_for_state
-from tests.support.waiting import wait_event
+from tests.support.waiting import PATIENCE, SLOW_POLL, wait_event
 
 LEASE = 1.5
 FAST = WorkerOptions(
     lease_duration=LEASE, heartbeat_interval=0.5, worker_ttl=2.0, shutdown_grace=2.0
 )
 NO_JITTER = RetryPolicy.fixed(0.0, jitter=False)
+#: Only a notification, a moved database clock or a due ``run_at`` wakes this worker within
+#: PATIENCE.
+SLOW = WorkerOptions(
+    lease_duration=LEASE, heartbeat_interval=0.5, worker_ttl=2.0, shutdown_grace=2.0,
+    poll_interval=SLOW_POLL,
+)
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -57,6 +66,29 @@ NO_JITTER = RetryPolicy.fixed(0.0, jitter=False)
 async def db_now(engine: AsyncEngine) -> Any:
     async with engine.connect() as conn:
         return (await conn.execute(text("SELECT statement_timestamp()"))).scalar_one()
+
+
+async def advance_to_retry(
+    engine: AsyncEngine,
+    clock: DatabaseClock,
+    task_id: uuid.UUID,
+    failed_attempts: int,
+    delay: float,
+) -> None:
+    """Wait until the task's ``failed_attempts``-th failure is written; check that its retry
+    falls due exactly ``delay`` seconds of database time after that attempt ended; then move
+    the database clock that far (which also wakes idle workers)."""
+    row: dict[str, Any] = {}
+
+    async def written() -> bool:
+        nonlocal row
+        row = await task_row(engine, task_id)
+        return bool(row["state"] == "pending" and row["failed_attempts"] == failed_attempts)
+
+    await wait_until(written, PATIENCE, message=f"failure {failed_attempts} of {task_id}")
+    finished = (await attempt_rows(engine, task_id))[-1]["finished_at"]
+    assert row["run_at"] == finished + timedelta(seconds=delay)
+    clock.advance(delay)
 
 
 # -- handlers succeed ----------------------------------------------------------------------
@@ -118,18 +150,23 @@ async def test_async_and_sync_handlers_succeed_and_store_their_results(
 
 
 async def test_an_exception_is_a_structured_error_retried_by_policy_until_attempts_run_out(
-    pgtask_database_url: str, pgtask_async_engine: AsyncEngine
+    pgtask_database_url: str, pgtask_async_engine: AsyncEngine, pgtask_clock: DatabaseClock
 ) -> None:
     registry = Registry()
-    policy = RetryPolicy.exponential(base=0.2, factor=2.0, max=0.3, jitter=False)
+    policy = RetryPolicy.exponential(base=3600.0, factor=2.0, max=5400.0, jitter=False)
 
     @registry.task("flaky", retry=policy, max_attempts=3)
     async def flaky(ctx: TaskContext, payload: None) -> None:
         raise ValueError(f"attempt {ctx.attempt} broke")
 
     task_id = await add(pgtask_async_engine, "flaky", max_attempts=3)
-    async with running_worker(registry, pgtask_database_url, FAST):
-        row = await wait_for_state(pgtask_async_engine, task_id)
+    # Each retry waits the stored policy's delay in database time: an hour, then two hours
+    # capped to an hour and a half. It runs once the database clock has moved that far (which
+    # wakes idle workers), long before the poll interval.
+    async with running_worker(registry, pgtask_database_url, SLOW):
+        for failed, delay in enumerate((3600.0, 5400.0), start=1):
+            await advance_to_retry(pgtask_async_engine, pgtask_clock, task_id, failed, delay)
+        row = await wait_for_state(pgtask_async_engine, task_id, timeout=PATIENCE)
 
     assert row["state"] == "failed"
     assert (row["attempt"], row["failed_attempts"]) == (3, 3)
@@ -148,15 +185,14 @@ async def test_an_exception_is_a_structured_error_retried_by_policy_until_attemp
     assert [a["error"]["message"] for a in attempts] == [
         f"attempt {n} broke" for n in (1, 2, 3)
     ]
-    # Each retry waits the stored policy's delay in database time: 0.2 s, then 0.4 capped to
-    # 0.3 s; and not much longer, so the worker woke for run_at instead of its 30 s poll.
-    for index, delay in enumerate((0.2, 0.3)):
+    # Never early by the database's clock.
+    for index, delay in enumerate((3600.0, 5400.0)):
         gap = attempts[index + 1]["started_at"] - attempts[index]["finished_at"]
-        assert timedelta(seconds=delay) <= gap < timedelta(seconds=delay + 5)
+        assert gap >= timedelta(seconds=delay)
 
 
 async def test_retries_follow_the_policy_stored_on_the_task_not_the_registry(
-    pgtask_database_url: str, pgtask_async_engine: AsyncEngine
+    pgtask_database_url: str, pgtask_async_engine: AsyncEngine, pgtask_clock: DatabaseClock
 ) -> None:
     registry = Registry()
 
@@ -171,15 +207,17 @@ async def test_retries_follow_the_policy_stored_on_the_task_not_the_registry(
     async with pgtask_async_engine.begin() as conn:
         await conn.execute(
             update(Task).where(Task.id == task_id).values(
-                retry_kind="fixed", retry_base_seconds=0.25, retry_jitter=False
+                retry_kind="fixed", retry_base_seconds=120.0, retry_jitter=False
             )
         )
-    async with running_worker(registry, pgtask_database_url, FAST):
-        row = await wait_for_state(pgtask_async_engine, task_id, timeout=15)
+    async with running_worker(registry, pgtask_database_url, SLOW):
+        # Two minutes (the task's policy), not the registry's hour.
+        await advance_to_retry(pgtask_async_engine, pgtask_clock, task_id, 1, 120)
+        row = await wait_for_state(pgtask_async_engine, task_id, timeout=PATIENCE)
     assert (row["state"], row["result"], row["failed_attempts"]) == ("succeeded", 2, 1)
     first, second = await attempt_rows(pgtask_async_engine, task_id)
-    assert second["started_at"] - first["finished_at"] >= timedelta(seconds=0.25)
-    assert row["retry_base_seconds"] == 0.25
+    assert second["started_at"] - first["finished_at"] >= timedelta(seconds=120)
+    assert row["retry_base_seconds"] == 120.0
 
 
 async def test_fail_and_non_retryable_exceptions_fail_at_once(
@@ -220,27 +258,27 @@ async def test_fail_and_non_retryable_exceptions_fail_at_once(
 
 
 async def test_retry_with_a_delay_runs_again_after_that_delay(
-    pgtask_database_url: str, pgtask_async_engine: AsyncEngine
+    pgtask_database_url: str, pgtask_async_engine: AsyncEngine, pgtask_clock: DatabaseClock
 ) -> None:
     registry = Registry()
 
     @registry.task("later", retry=RetryPolicy.fixed(3600.0))
     async def later(ctx: TaskContext, payload: None) -> str:
         if ctx.attempt == 1:
-            raise Retry("not yet", delay=0.4)
+            raise Retry("not yet", delay=1800)
         return "done"
 
     task_id = await add(pgtask_async_engine, "later")
-    async with running_worker(registry, pgtask_database_url, FAST):
-        row = await wait_for_state(pgtask_async_engine, task_id)
+    async with running_worker(registry, pgtask_database_url, SLOW):
+        # The Retry's half hour, not the policy's hour.
+        await advance_to_retry(pgtask_async_engine, pgtask_clock, task_id, 1, 1800)
+        row = await wait_for_state(pgtask_async_engine, task_id, timeout=PATIENCE)
     assert (row["state"], row["result"]) == ("succeeded", "done")
     assert (row["attempt"], row["failed_attempts"]) == (2, 1)  # a retry counts as a failure
     first, second = await attempt_rows(pgtask_async_engine, task_id)
     assert (first["state"], first["error"]["type"]) == ("failed", "retry")
     assert first["error"]["message"] == "not yet"
-    assert timedelta(seconds=0.4) <= second["started_at"] - first["finished_at"] < timedelta(
-        seconds=5
-    )
+    assert second["started_at"] - first["finished_at"] >= timedelta(seconds=1800)
 
 
 async def test_retry_without_attempts_left_fails(
@@ -373,11 +411,11 @@ async def test_an_exception_that_cannot_be_printed_still_fails_the_attempt(
         raise UnprintableError()
 
     task_id = await add(pgtask_async_engine, "unprintable")
-    # A worker that fails to settle the attempt would renew its lease forever: give it a few
-    # lease durations, not forever.
+    # A worker that fails to settle the attempt would renew its lease forever: give it a
+    # deadline, not forever.
     async with running_worker(registry, pgtask_database_url, FAST) as worker:
-        row = await wait_for_state(pgtask_async_engine, task_id, timeout=3 * LEASE)
-        await wait_until(lambda: worker.active_count == 0, 2, message="the slot is freed")
+        row = await wait_for_state(pgtask_async_engine, task_id, timeout=PATIENCE)
+        await wait_until(lambda: worker.active_count == 0, PATIENCE, message="the slot is freed")
     assert (row["state"], row["failed_attempts"]) == ("failed", 1)
     assert row["error"]["type"] == "handler_error"
     assert row["error"]["exception"].endswith("UnprintableError")
@@ -398,8 +436,8 @@ async def test_a_too_deeply_nested_result_is_a_terminal_result_rejected_failure(
 
     task_id = await add(pgtask_async_engine, "deep")
     async with running_worker(registry, pgtask_database_url, FAST) as worker:
-        row = await wait_for_state(pgtask_async_engine, task_id, timeout=3 * LEASE)
-        await wait_until(lambda: worker.active_count == 0, 2, message="the slot is freed")
+        row = await wait_for_state(pgtask_async_engine, task_id, timeout=PATIENCE)
+        await wait_until(lambda: worker.active_count == 0, PATIENCE, message="the slot is freed")
     assert (row["state"], row["failed_attempts"]) == ("failed", 1)
     assert row["error"]["type"] == "result_rejected"
 
@@ -458,7 +496,9 @@ async def test_a_crashing_handler_does_not_disturb_handlers_running_beside_it(
             # Both steady handlers are still running, untouched, while the others crashed.
             for task_id in steady:
                 assert (await task_row(pgtask_async_engine, task_id))["state"] == "running"
-            await wait_until(lambda: worker.active_count == 2, 5, message="crashed slots freed")
+            await wait_until(
+                lambda: worker.active_count == 2, PATIENCE, message="crashed slots freed"
+            )
             async_release.set()
             sync_release.set()
             survived = [await wait_for_state(pgtask_async_engine, i) for i in steady]
@@ -595,7 +635,7 @@ async def test_lease_renewal_keeps_a_long_handler_alive_past_three_lease_duratio
 
 
 async def test_a_task_whose_worker_died_is_recovered_after_its_lease_and_run_again(
-    pgtask_database_url: str, pgtask_async_engine: AsyncEngine
+    pgtask_async_engine: AsyncEngine, pgtask_clock: DatabaseClock
 ) -> None:
     registry = Registry()
 
@@ -604,7 +644,7 @@ async def test_a_task_whose_worker_died_is_recovered_after_its_lease_and_run_aga
         return ctx.attempt
 
     task_id = await add(pgtask_async_engine, "orphan", max_attempts=3)
-    # Another worker claimed it and died: nobody renews this half-second lease.
+    # Another worker claimed it for an hour and died: nobody renews that lease.
     dead_worker = uuid.uuid4()
     async with pgtask_async_engine.connect() as conn:
         await conn.execution_options(isolation_level="AUTOCOMMIT")
@@ -616,13 +656,20 @@ async def test_a_task_whose_worker_died_is_recovered_after_its_lease_and_run_aga
                         ["default"],
                         [statements.Capability("default", "orphan", 1, RetryPolicy.never(), 3)],
                     ),
-                    worker_id=dead_worker, lease_seconds=0.5, limit=1,
+                    worker_id=dead_worker, lease_seconds=3600, limit=1,
                 ),
             )
         ).all()
     assert claimed.id == task_id
-    async with running_worker(registry, pgtask_database_url, FAST) as worker:
-        row = await wait_for_state(pgtask_async_engine, task_id)
+    expires_at = (await task_row(pgtask_async_engine, task_id))["lease_expires_at"]
+    recoveries = executions_of(pgtask_async_engine.sync_engine, statements.RECOVER)
+    async with running_worker(registry, pgtask_async_engine, SLOW) as worker:
+        # The live worker's recovery runs (every third of its lease) and leaves the lease alone
+        # while it has not expired.
+        await wait_until(lambda: len(recoveries) >= 2, PATIENCE, message="two recovery passes")
+        assert (await task_row(pgtask_async_engine, task_id))["state"] == "running"
+        pgtask_clock.advance(3600)  # now it has expired
+        row = await wait_for_state(pgtask_async_engine, task_id, timeout=PATIENCE)
     # Recovery counted the lost attempt as failed and the live worker ran attempt 2, even
     # though the snapshotted policy is "never": a lost lease is not a handler failure.
     assert (row["state"], row["result"], row["attempt"], row["failed_attempts"]) == (
@@ -633,6 +680,7 @@ async def test_a_task_whose_worker_died_is_recovered_after_its_lease_and_run_aga
         ("lost", dead_worker), ("succeeded", worker.id),
     ]
     assert attempts[0]["error"] == {"type": "lease_expired"}
+    assert attempts[0]["finished_at"] >= expires_at  # never before the lease expired
 
 
 async def steal_lease(engine: AsyncEngine, task_id: uuid.UUID) -> uuid.UUID:
@@ -674,9 +722,9 @@ async def test_an_async_handler_whose_lease_was_taken_is_cancelled_and_writes_no
         await wait_event(started)
         thief = await steal_lease(pgtask_async_engine, task_id)
         before = await task_row(pgtask_async_engine, task_id)
-        await wait_event(cancelled, 5)
-        await wait_event(finally_ran, 5)
-        await wait_until(lambda: worker.active_count == 0, 5, message="the slot is freed")
+        await wait_event(cancelled, PATIENCE)
+        await wait_event(finally_ran, PATIENCE)
+        await wait_until(lambda: worker.active_count == 0, PATIENCE, message="the slot is freed")
         after = await task_row(pgtask_async_engine, task_id)
     assert after == before
     assert (after["state"], after["lease_token"], after["result"]) == ("running", thief, None)
@@ -711,7 +759,7 @@ async def test_a_sync_handler_whose_lease_was_taken_sees_it_and_its_result_is_di
         thief = await steal_lease(pgtask_async_engine, task_id)
         before = await task_row(pgtask_async_engine, task_id)
         await wait_until(lambda: "reason" in observed, 10, message="the handler saw the stop")
-        await wait_until(lambda: worker.active_count == 0, 5, message="the slot is freed")
+        await wait_until(lambda: worker.active_count == 0, PATIENCE, message="the slot is freed")
         after = await task_row(pgtask_async_engine, task_id)
     assert observed["cancelled"] is True
     assert observed["reason"] == "lease_lost"
@@ -784,7 +832,7 @@ async def test_a_worker_registers_its_capabilities_heartbeats_and_retires_on_shu
                 )
                 return len(count.all()) == 3
 
-        await wait_until(registered_again, 5, message="the worker registered again")
+        await wait_until(registered_again, PATIENCE, message="the worker registered again")
 
     retired = await worker_row(worker.id)
     assert retired["draining"] is True
@@ -874,7 +922,7 @@ async def test_shutdown_hands_back_a_task_that_outlives_the_grace_period(
     assert attempt["state"] == "released"
     assert attempt["finished_at"] == row["updated_at"]
     # The sync thread finishing afterwards writes nothing.
-    await wait_until(finally_ran.is_set, 5, message="the handler thread ended")
+    await wait_until(finally_ran.is_set, PATIENCE, message="the handler thread ended")
     assert await task_row(pgtask_async_engine, task_id) == row
 
 
@@ -967,7 +1015,7 @@ async def test_an_idle_worker_does_not_busy_poll(pgtask_async_engine: AsyncEngin
 
 
 async def test_a_delayed_task_runs_at_its_database_run_at_without_waiting_for_the_poll(
-    pgtask_database_url: str, pgtask_async_engine: AsyncEngine
+    pgtask_database_url: str, pgtask_async_engine: AsyncEngine, pgtask_clock: DatabaseClock
 ) -> None:
     registry = Registry()
 
@@ -975,19 +1023,18 @@ async def test_a_delayed_task_runs_at_its_database_run_at_without_waiting_for_th
     async def later(ctx: TaskContext, payload: None) -> str:
         return "on time"
 
-    options = WorkerOptions(lease_duration=LEASE, poll_interval=30.0)
-    async with running_worker(registry, pgtask_database_url, options):
-        task_id = await add(pgtask_async_engine, "later", delay=1.0)
-        started = time.monotonic()
-        row = await wait_for_state(pgtask_async_engine, task_id, timeout=10)
-        elapsed = time.monotonic() - started
+    async with running_worker(registry, pgtask_database_url, SLOW):
+        task_id = await add(pgtask_async_engine, "later", delay=3600)
+        # To a second before run_at: the move wakes the worker, which finds the task due in a
+        # second; only its own timer for run_at wakes it then (no notification, and a poll
+        # interval far longer than the deadline).
+        pgtask_clock.advance(3600 - 1)
+        row = await wait_for_state(pgtask_async_engine, task_id, timeout=PATIENCE)
     assert row["state"] == "succeeded"
-    assert row["run_at"] == row["created_at"] + timedelta(seconds=1)
+    assert row["run_at"] == row["created_at"] + timedelta(seconds=3600)
     [attempt] = await attempt_rows(pgtask_async_engine, task_id)
-    # Never early by the database's clock, and woken for run_at rather than the 30 s poll.
+    # Never early by the database's clock.
     assert attempt["started_at"] >= row["run_at"]
-    assert attempt["started_at"] - row["run_at"] < timedelta(seconds=2)
-    assert elapsed < 5
 
 
 async def test_a_shutdown_requested_before_run_makes_run_return_after_startup(

@@ -2,6 +2,8 @@
 
 * `engine_for` opens an engine on a URL for the body of a ``with`` and disposes of it after.
 * `statements_of` records every statement an engine sends from now on.
+* `executions_of` records every time an engine has run one given statement object (one of
+  ``sqlalchemy_pgtask.statements``, say).
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.sql.base import Executable
 
-__all__ = ["engine_for", "statements_of"]
+__all__ = ["engine_for", "executions_of", "statements_of"]
 
 
 @contextlib.contextmanager
@@ -33,4 +36,20 @@ def statements_of(engine: Engine) -> list[str]:
         seen.append(statement)
 
     event.listen(engine, "before_cursor_execute", record)
+    return seen
+
+
+def executions_of(engine: Engine, statement: Executable) -> list[Any]:
+    """A list that gets the parameters of each execution of ``statement`` (that very object,
+    however it was compiled) once ``engine`` has run it, from now on."""
+    seen: list[Any] = []
+
+    def record(
+        conn: Any, cursor: Any, text: str, parameters: Any, context: Any, executemany: bool
+    ) -> None:
+        compiled = getattr(context, "compiled", None)
+        if compiled is not None and compiled.statement is statement:
+            seen.append(parameters)
+
+    event.listen(engine, "after_cursor_execute", record)
     return seen
