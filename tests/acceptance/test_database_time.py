@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.waiting import wait_until
+from tests.support.waiting import PATIENCE, SLOW_POLL, wait_until
 from tests.support.workerproc import Database, WorkerLauncher, cli_env
 
 LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
@@ -43,15 +43,17 @@ def _faked_env(offset: str) -> dict[str, str]:
 def test_worker_with_skewed_clock_respects_run_at_and_keeps_leases(
     db: Database, workers: WorkerLauncher, offset: str
 ) -> None:
-    # A long poll interval: the delayed task runs on time only if the worker computes its
-    # sleep from database time (a -5h clock would otherwise sleep for hours, +5h not at all).
-    worker = workers.start(poll=60, env=_faked_env(offset))
+    # A poll interval far beyond the deadline: the delayed task runs in time only if the worker
+    # computes its sleep from database time (a -5h clock would otherwise sleep for hours, +5h
+    # not at all). The delay is real: the worker's own timer is what is tested, and moving the
+    # database clock would also expire the long task's lease.
+    worker = workers.start(poll=SLOW_POLL, env=_faked_env(offset))
     [delayed] = db.enqueue("job", {"sleep": 0}, delay=DELAY)
     # More than two leases long: it keeps attempt 1 only if renewals use database time.
     [long] = db.enqueue("job", {"sleep": 4.0})
 
     wait_until(
-        lambda: db.all_in([delayed, long], "succeeded", "failed", "cancelled"), DELAY + 15,
+        lambda: db.all_in([delayed, long], "succeeded", "failed", "cancelled"), PATIENCE,
         message="both tasks to finish", describe=worker.describe,
     )
     for task_id in (delayed, long):
@@ -63,8 +65,9 @@ def test_worker_with_skewed_clock_respects_run_at_and_keeps_leases(
     [attempt] = db.attempts(delayed)
     assert (task.run_at - task.created_at).total_seconds() == pytest.approx(DELAY, abs=0.01)
     assert attempt.started_at >= task.run_at, "claimed before its run_at in database time"
-    # On time, by the database's clock: not hours late, and not early.
-    assert (attempt.started_at - task.run_at).total_seconds() < 5
+    # On time, by the database's clock: not early (above), and sooner than the poll would have
+    # run it (which the deadline, a tenth of the poll interval, already made sure of).
+    assert (attempt.started_at - task.run_at).total_seconds() < SLOW_POLL
     assert worker.alive()
     # The worker really ran with the skewed clock: its log timestamps are hours off.
     stamp = datetime.strptime(worker.log()[:19], "%Y-%m-%d %H:%M:%S")

@@ -76,6 +76,8 @@ _TASKS_APP = '''\
 Payload keys (all optional):
 
 * ``sleep``: seconds to sleep; ``sleep_by_attempt`` ({"1": 60}) overrides it per attempt.
+* ``until``: the name of a file in the working directory: instead of sleeping, wait until it
+  exists (the test decides when the handler ends: `WorkerLauncher.release`).
 * ``record``: insert a row into acceptance_runs when the run starts and stamp its end, both
   with the database's clock_timestamp().
 * ``fail``: raise after sleeping: ``"exit"`` raises SystemExit, ``"interrupt"``
@@ -121,6 +123,22 @@ def _seconds(ctx, payload):
     return float(by_attempt.get(str(ctx.attempt), payload.get("sleep", 0)))
 
 
+async def _wait(ctx, payload):
+    if payload.get("until"):
+        while not Path(payload["until"]).exists():
+            await asyncio.sleep(0.02)
+    else:
+        await asyncio.sleep(_seconds(ctx, payload))
+
+
+def _wait_sync(ctx, payload):
+    if payload.get("until"):
+        while not Path(payload["until"]).exists():
+            time.sleep(0.02)
+    else:
+        time.sleep(_seconds(ctx, payload))
+
+
 def _fail(payload):
     fail = payload.get("fail")
     if fail == "exit":
@@ -144,7 +162,7 @@ async def job(ctx, payload):
     if payload.get("record"):
         await _record(_START, (ctx.task_id, ctx.attempt, run_id, ctx.worker_id, os.getpid()))
     try:
-        await asyncio.sleep(_seconds(ctx, payload))
+        await _wait(ctx, payload)
     except asyncio.CancelledError:
         if payload.get("stop_marker"):
             # Where and when the worker stopped this handler (the database may be unreachable).
@@ -162,7 +180,7 @@ async def job(ctx, payload):
 def job_sync(ctx, payload):
     """Blocks its thread and ignores stop requests: the worst case for a shutdown."""
     payload = payload or {}
-    time.sleep(_seconds(ctx, payload))
+    _wait_sync(ctx, payload)
     _fail(payload)
     return {"pid": os.getpid(), "attempt": ctx.attempt}
 '''
@@ -428,6 +446,10 @@ class WorkerLauncher:
         assert worker_id is not None
         worker.worker_id = worker_id
         return worker_id
+
+    def release(self, name: str) -> None:
+        """End the handlers whose payload says ``"until": name``."""
+        (self.directory / name).touch()
 
     def close(self) -> None:
         for worker in self.processes:
