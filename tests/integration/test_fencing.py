@@ -21,39 +21,21 @@ from sqlalchemy import Connection, Engine, insert, select, text, update
 from sqlalchemy_pgtask import Queue, RetryPolicy, Task, cancel, enqueue
 from sqlalchemy_pgtask import statements as st
 from sqlalchemy_pgtask.outcome import error_document
-from tests.support.tasks import read_attempts, read_task
+from tests.support.tasks import claim_parameters, read_attempts, read_task
 
 LEASE = 30.0
 WORKER = uuid.UUID("00000000-0000-4000-8000-000000000001")
-DEFAULT_POLICY = RetryPolicy.fixed(2.0, jitter=False)
 Lease = st.Lease
 
 
 # -- the worker's parameters ---------------------------------------------------------------
 
 
-def claim_parameters(
-    *,
-    queue: str = "default",
-    identities: Sequence[tuple[str, int]] = (("job", 1),),
-    policy: RetryPolicy = DEFAULT_POLICY,
-    limit: int = 10,
-    worker_id: uuid.UUID = WORKER,
-    lease: float = LEASE,
-    max_attempts: int = 5,
-) -> st.ClaimParams:
-    """What the worker binds (``statements.claim_params``), for handlers sharing one policy."""
-    capabilities = [
-        st.Capability(queue, name, version, policy, max_attempts) for name, version in identities
-    ]
-    return st.claim_params(
-        st.capability_params([queue], capabilities),
-        worker_id=worker_id, lease_seconds=lease, limit=limit,
-    )
-
-
-def claim(conn: Connection, **kwargs: Any) -> Sequence[Any]:
-    return conn.execute(st.CLAIM, claim_parameters(**kwargs)).all()
+def claim(
+    conn: Connection, *, worker_id: uuid.UUID = WORKER, lease: float = LEASE, **kwargs: Any
+) -> Sequence[Any]:
+    parameters = claim_parameters(worker_id=worker_id, lease=lease, **kwargs)
+    return conn.execute(st.CLAIM, parameters).all()
 
 
 def complete(conn: Connection, lease: Lease, result: Any) -> Sequence[Any]:

@@ -44,7 +44,13 @@ from sqlalchemy_pgtask import (
 )
 from sqlalchemy_pgtask.testing import DatabaseClock, running_worker, wait_until
 from tests.support.engines import executions_of
-from tests.support.tasks import add, attempt_rows, task_row, wait_for_state
+from tests.support.tasks import (
+    add,
+    attempt_rows,
+    claim_parameters,
+    task_row,
+    wait_for_state,
+)
 from tests.support.waiting import PATIENCE, SLOW_POLL, wait_event
 
 LEASE = 1.5
@@ -651,12 +657,9 @@ async def test_a_task_whose_worker_died_is_recovered_after_its_lease_and_run_aga
         [claimed] = (
             await conn.execute(
                 statements.CLAIM,
-                statements.claim_params(
-                    statements.capability_params(
-                        ["default"],
-                        [statements.Capability("default", "orphan", 1, RetryPolicy.never(), 3)],
-                    ),
-                    worker_id=dead_worker, lease_seconds=3600, limit=1,
+                claim_parameters(
+                    worker_id=dead_worker, lease=3600, identities=[("orphan", 1)],
+                    policy=RetryPolicy.never(), max_attempts=3, limit=1,
                 ),
             )
         ).all()
