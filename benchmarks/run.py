@@ -131,6 +131,7 @@ WITH picked AS (
     UPDATE pgtask.tasks AS t
     SET state = 'running',
         attempt = t.attempt + 1,
+        max_attempts = coalesce(t.max_attempts, 5),
         lease_token = gen_random_uuid(),
         lease_owner = %(worker)s,
         lease_expires_at = statement_timestamp() + interval '30 seconds',
