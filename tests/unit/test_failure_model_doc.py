@@ -8,7 +8,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "failure-model.md"
 #: ```path/to/test_file.py::test_name``` or a following ```::test_name``` in the same file.
-_REFERENCE = re.compile(r"`(?:((?:unit|integration|acceptance|migrations)/[\w/]+\.py))?::(test_\w+)`")
+_REFERENCE = re.compile(
+    r"`(?:((?:unit|integration|acceptance|migrations)/[\w/]+\.py))?::(test_\w+)`"
+)
 
 
 def test_every_test_the_failure_model_names_exists() -> None:
