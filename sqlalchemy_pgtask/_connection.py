@@ -19,13 +19,12 @@ PostgreSQL through this module, so three things are decided once:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import re
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import psycopg
 from sqlalchemy import Connection, Engine
@@ -38,6 +37,7 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.orm import Session, scoped_session
 
+from sqlalchemy_pgtask._asyncio import bounded
 from sqlalchemy_pgtask.errors import (
     IdempotencyConflict,
     InvalidOptionError,
@@ -59,7 +59,6 @@ __all__ = [
     "async_connection_of",
     "async_engine",
     "async_session",
-    "bounded",
     "connection_of",
     "listening_connection",
     "listening_connection_sync",
@@ -78,7 +77,6 @@ RESULT_CHANNEL: Final = "pgtask_result"
 #: database clock is moved in tests).
 WAKE_ALL: Final = "*"
 
-_T = TypeVar("_T")
 
 #: What a synchronous client function runs in: the caller's session or connection. A
 #: ``scoped_session`` stands for its current session.
@@ -209,6 +207,8 @@ def parse_task_id(value: object, field: str = "task_id") -> uuid.UUID:
 _MISSING_OBJECT: Final = frozenset({"42P01", "3F000", "42883"})
 _IN_PGTASK: Final = re.compile(r'(?<![\w$.])pgtask(?:\.|")')
 _SERIALIZATION_FAILURE: Final = "40001"
+#: Raised by the capacity recount trigger outside READ COMMITTED.
+_CAPACITY_NEEDS_READ_COMMITTED: Final = "PT002"
 
 
 def _translate(driver_error: BaseException | None, *, idempotent: bool) -> PgTaskError | None:
@@ -216,6 +216,8 @@ def _translate(driver_error: BaseException | None, *, idempotent: bool) -> PgTas
     state = getattr(driver_error, "sqlstate", None)
     diag = getattr(driver_error, "diag", None)
     message = getattr(diag, "message_primary", None) or str(driver_error)
+    if state == _CAPACITY_NEEDS_READ_COMMITTED:
+        return InvalidOptionError("max_outstanding_tasks", message)
     if state == QueueFull.sqlstate:
         return QueueFull(message)
     if state in _MISSING_OBJECT and _IN_PGTASK.search(message):
@@ -248,35 +250,6 @@ def translated_errors(*, idempotent: bool = False) -> Iterator[None]:
         if translated is None:
             raise
         raise translated from exc
-
-
-async def bounded(
-    awaitable: Awaitable[_T],
-    timeout: float,
-    *,
-    discard: Callable[[_T], Awaitable[object]] | None = None,
-) -> _T:
-    """``awaitable``'s result, or `TimeoutError` after ``timeout`` seconds.
-
-    Unlike ``asyncio.wait_for`` before Python 3.12, a cancellation that arrives as the
-    awaitable finishes is never swallowed; the result it then leaves behind (a connection) is
-    handed to ``discard``.
-    """
-    task = asyncio.ensure_future(awaitable)
-    try:
-        done, _ = await asyncio.wait({task}, timeout=timeout)
-    except asyncio.CancelledError:
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            orphan = await task
-            if discard is not None:
-                await discard(orphan)
-        raise
-    if not done:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise TimeoutError(f"gave up after {timeout:g} s")
-    return task.result()
 
 
 async def _close(connection: Any) -> None:

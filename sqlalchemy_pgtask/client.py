@@ -55,10 +55,6 @@ __all__ = [
 DEFAULT_POLL_INTERVAL: Final = 1.0
 
 
-#: The CLI's name for `parse_task_id`, kept until it imports the seam's.
-_task_id = parse_task_id
-
-
 def get_task(session: Session | scoped_session[Any], task_id: uuid.UUID | str) -> Task | None:
     """The task with that id (a mapped `Task` in ``session``), or None."""
     target = sync_session(session, "get_task")

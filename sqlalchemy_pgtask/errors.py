@@ -14,8 +14,8 @@ The tree::
      ├── TaskNotFound                           no task with that id
      ├── WorkerCrashed                          an internal loop of a worker failed; the
      │                                          worker stopped and handed its tasks back
-     ├── PolicyConflict                         a handler's retry policy differs from the
-     │                                          one frozen in the database for its identity
+     ├── PolicyConflict                         a handler's retry policy or max_attempts
+     │                                          differs from the one frozen for its identity
      └── ServerNotFound                         no PostgreSQL could be found or started
                                                 (tests and the demo only)
 
@@ -111,7 +111,7 @@ class TaskNotFound(PgTaskError):
 
 
 class PolicyConflict(PgTaskError):
-    """A handler's retry policy differs from the one frozen in the database for its identity.
+    """A handler's retry policy or max_attempts differs from the one frozen for its identity.
 
     Policies are immutable per (queue, task name, handler version) so tasks already in flight
     keep retrying as they were promised. Register the new policy under a new handler version.

@@ -149,7 +149,8 @@ class Outcome:
     kind: WriteKind
     #: The result JSON for ``complete``, the error JSON for ``fail``, None for ``release``.
     document: str | None = None
-    #: For ``fail``: seconds until the retry, or None for no retry.
+    #: For ``fail``: seconds until the retry, or None for no retry. For ``release``: seconds
+    #: until the task may run again (None: at once).
     delay: float | None = None
     #: For ``fail``: the error's kind (also the document's ``type``), for logs and metrics.
     error_kind: ErrorKind | None = None

@@ -158,7 +158,8 @@ class Registry:
 
         :param retry: when to retry a failed attempt; frozen per (queue, name, version) in the
             database by the first worker that registers it.
-        :param max_attempts: the default for tasks enqueued through the definition.
+        :param max_attempts: failed attempts a task gets, unless it was enqueued with its own;
+            frozen with ``retry`` per (queue, name, version).
         :param non_retryable: exception types that fail the task at once.
         """
 

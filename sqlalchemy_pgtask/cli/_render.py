@@ -92,7 +92,8 @@ def task_list_lines(tasks: Sequence[TaskSummary], limit: int) -> list[str]:
     rows = [_LIST_HEADER] + [
         (
             str(t.id), t.queue, f"{t.name} v{t.version}", t.state,
-            f"{t.attempt}/{t.max_attempts}", when(t.created_at), when(t.updated_at),
+            f"{t.attempt}/{t.max_attempts or 'default'}", when(t.created_at),
+            when(t.updated_at),
         )
         for t in tasks
     ]
@@ -188,7 +189,8 @@ def task_detail_lines(task: TaskDetail) -> list[str]:
         ("queue", task.queue), ("name", task.name), ("version", task.version),
         ("state", task.state), ("priority", task.priority), ("run_at", task.run_at),
         ("attempt", task.attempt), ("failed_attempts", task.failed_attempts),
-        ("max_attempts", task.max_attempts), ("retry", _retry(task)),
+        ("max_attempts", task.max_attempts or "the handler's (set at the first claim)"),
+        ("retry", _retry(task)),
         ("idempotency_key", task.idempotency_key), ("parent_id", task.parent_id),
         ("lease_owner", task.lease_owner), ("lease_expires_at", task.lease_expires_at),
         ("cancel_requested_at", task.cancel_requested_at), ("created_at", task.created_at),

@@ -61,7 +61,7 @@ class HandlerPolicy(Base):
     __table_args__ = (
         CheckConstraint(f"retry_kind IN ({quoted(RETRY_KINDS)})", name="retry_kind"),
         CheckConstraint(retry_shape_check(), name="retry_policy"),
-        CheckConstraint("max_attempts > 0", name="max_attempts"),
+        CheckConstraint("max_attempts IS NULL OR max_attempts > 0", name="max_attempts"),
     )
 
     queue: Mapped[str] = mapped_column(Text, primary_key=True)
@@ -72,7 +72,8 @@ class HandlerPolicy(Base):
     retry_factor: Mapped[float | None] = mapped_column(Double)
     retry_max_seconds: Mapped[float | None] = mapped_column(Double)
     retry_jitter: Mapped[bool] = mapped_column(Boolean)
-    #: Applies to tasks enqueued without their own ``max_attempts``.
-    max_attempts: Mapped[int] = mapped_column(Integer)
+    #: Applies to tasks enqueued without their own ``max_attempts``; NULL only for a policy
+    #: frozen before this column existed, until a worker registers the identity again.
+    max_attempts: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(server_default=NOW)
 

@@ -45,10 +45,12 @@ from sqlalchemy_pgtask.statements.lease import (
     CompleteParams,
     FailParams,
     FenceParams,
+    ReleaseParams,
     RenewParams,
     complete_params,
     fail_params,
     fence_params,
+    release_params,
     renew_params,
 )
 from sqlalchemy_pgtask.statements.workers import (
@@ -109,6 +111,7 @@ __all__ = [
     "Lease",
     "PolicyParams",
     "RegisterParams",
+    "ReleaseParams",
     "RenewParams",
     "capability_params",
     "claim_params",
@@ -118,5 +121,6 @@ __all__ = [
     "identity_params",
     "key_expired",
     "policy_params",
+    "release_params",
     "renew_params",
 ]

@@ -14,11 +14,12 @@ from sqlalchemy import (
     Table,
     TableValuedAlias,
     bindparam,
+    cast,
     column,
     func,
     literal_column,
 )
-from sqlalchemy.dialects.postgresql import ARRAY, TIMESTAMP, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, TIMESTAMP, UUID
 from sqlalchemy.types import TypeEngine
 
 from sqlalchemy_pgtask.models import (
@@ -32,6 +33,7 @@ from sqlalchemy_pgtask.models import (
 )
 
 __all__ = [
+    "CANCELLED_ERROR",
     "NOW",
     "TSTZ",
     "UUID_T",
@@ -58,6 +60,11 @@ policies = typing.cast(Table, HandlerPolicy.__table__)
 
 TSTZ: Final = TIMESTAMP(timezone=True)
 UUID_T: Final = UUID(as_uuid=True)
+
+#: The error document of a task cancelled while it was not running.
+CANCELLED_ERROR: Final[ColumnElement[Any]] = cast(
+    literal_column("""'{"type": "cancelled"}'"""), JSONB
+)
 
 #: Database time, the one clock of every deadline: ``pgtask.now()`` is ``statement_timestamp()``
 #: (inlined by the planner, so it costs nothing), and tests replace its body to move the clock

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from sqlalchemy import bindparam, case, cast, func, literal_column, select, update
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy import bindparam, case, func, select, update
+from sqlalchemy.sql.dml import ReturningUpdate
 
-from sqlalchemy_pgtask.statements._common import NOW, UUID_T, tasks
+from sqlalchemy_pgtask.statements._common import CANCELLED_ERROR, NOW, UUID_T, tasks
 from sqlalchemy_pgtask.states import ACTIVE_STATES, CANCELLED, PENDING, WAITING
 
 __all__ = ["CANCEL", "SCHEMA_INSTALLED"]
 
-_CANCELLED_ERROR: Final = cast(literal_column("""'{"type": "cancelled"}'"""), JSONB)
 
-
-def _cancel() -> Any:
+def _cancel() -> ReturningUpdate[Any]:
     at_rest = tasks.c.state.in_([PENDING, WAITING])
     return (
         update(tasks)
@@ -27,7 +25,7 @@ def _cancel() -> Any:
             state=case((at_rest, CANCELLED), else_=tasks.c.state),
             cancel_requested_at=func.coalesce(tasks.c.cancel_requested_at, NOW),
             completed_at=case((at_rest, NOW), else_=tasks.c.completed_at),
-            error=case((at_rest, _CANCELLED_ERROR), else_=tasks.c.error),
+            error=case((at_rest, CANCELLED_ERROR), else_=tasks.c.error),
             updated_at=NOW,
         )
         .returning(tasks.c.state)

@@ -13,6 +13,7 @@ from sqlalchemy import (
     CTE,
     ColumnElement,
     Double,
+    FromClause,
     Insert,
     Integer,
     Select,
@@ -66,8 +67,8 @@ _ENQUEUE_COLUMNS: Final = (
 )
 
 
-def key_expired() -> ColumnElement[bool]:
-    """Whether the reservation in ``idempotency_keys`` has expired (a correlated condition).
+def key_expired(reservation: FromClause = keys) -> ColumnElement[bool]:
+    """Whether ``reservation`` (``idempotency_keys`` or an alias) has expired (correlated).
 
     While its task exists the expiry is derived from it: finished, plus the queue's
     idempotency retention. Finishing a task therefore never writes to the key's row, which a
@@ -76,22 +77,27 @@ def key_expired() -> ColumnElement[bool]:
     """
     retention = func.coalesce(
         select(queues.c.idempotency_retention_seconds)
-        .where(queues.c.name == keys.c.queue)
-        .correlate(keys)
+        .where(queues.c.name == reservation.c.queue)
+        .correlate(reservation)
         .scalar_subquery(),
         DEFAULT_IDEMPOTENCY_RETENTION_SECONDS,
     )
     finished_long_ago = (
         select(tasks.c.id)
         .where(
-            tasks.c.id == keys.c.task_id,
+            tasks.c.id == reservation.c.task_id,
             tasks.c.state.in_([literal_column(f"'{state}'") for state in TERMINAL_STATES]),
             tasks.c.completed_at + seconds(retention) <= NOW,
         )
-        .correlate(keys)
+        .correlate(reservation)
         .exists()
     )
-    return or_(keys.c.expires_at <= NOW, and_(keys.c.expires_at.is_(None), finished_long_ago))
+    expires_at = reservation.c.expires_at
+    # Never NULL (a NULL would read as "not live" under NOT): both branches test for NULL.
+    return or_(
+        and_(expires_at.is_not(None), expires_at <= NOW),
+        and_(expires_at.is_(None), finished_long_ago),
+    )
 
 
 def _run_at(run_at: ColumnElement[Any], delay: ColumnElement[Any]) -> ColumnElement[Any]:
@@ -278,24 +284,47 @@ def _take_over_keys() -> Select[Any]:
         .table_valued(column("queue", Text), column("key", Text), column("id", UUID_T))
         .render_derived("wanted")
     )
+    is_wanted = func.row(keys.c.queue, keys.c.key).in_(select(wanted.c.queue, wanted.c.key))
+    # The expired reservations, locked in (queue, key) order, so two producers taking over
+    # the same keys wait for each other instead of deadlocking. A lock that had to wait
+    # re-checks the expiry against the row a concurrent take-over left.
+    expired = (
+        select(keys.c.queue, keys.c.key)
+        .where(is_wanted, key_expired())
+        .order_by(keys.c.queue, keys.c.key)
+        .with_for_update()
+        .cte("expired")
+    )
     taken = (
         update(keys)
-        .where(keys.c.queue == wanted.c.queue, keys.c.key == wanted.c.key, key_expired())
+        .where(
+            keys.c.queue == wanted.c.queue,
+            keys.c.key == wanted.c.key,
+            func.row(keys.c.queue, keys.c.key).in_(select(expired.c.queue, expired.c.key)),
+        )
         .values(task_id=wanted.c.id, created_at=NOW, expires_at=null())
         .returning(keys.c.queue, keys.c.key, keys.c.task_id)
         .cte("taken")
     )
-    current = keys.alias("reservation")
+    reservation = keys.alias("reservation")
+    live = and_(reservation.c.task_id.is_not(None), ~key_expired(reservation))
     return select(
         wanted.c.queue,
         wanted.c.key,
-        func.coalesce(taken.c.task_id, current.c.task_id).label("task_id"),
+        # Not taken and expired in this snapshot: someone else took it over after it began.
+        # NULL sends the caller round again, with a snapshot that shows who.
+        case(
+            (taken.c.task_id.is_not(None), taken.c.task_id),
+            (live, reservation.c.task_id),
+            else_=null(),
+        ).label("task_id"),
         taken.c.task_id.is_not(None).label("taken"),
     ).select_from(
         wanted.outerjoin(
             taken, and_(taken.c.queue == wanted.c.queue, taken.c.key == wanted.c.key)
         ).outerjoin(
-            current, and_(current.c.queue == wanted.c.queue, current.c.key == wanted.c.key)
+            reservation,
+            and_(reservation.c.queue == wanted.c.queue, reservation.c.key == wanted.c.key),
         )
     )
 
@@ -303,6 +332,7 @@ def _take_over_keys() -> Select[Any]:
 #: Settles the keys `ENQUEUE_BATCH_IDEMPOTENT` left open, with a fresh snapshot: an expired
 #: reservation is taken over for the given task id (locking that key row, as a new one would
 #: be); a live one is returned as it is, without a lock. Returns ``(queue, key, task_id,
-#: taken)`` per key; ``task_id`` NULL means the reservation vanished (retention deleted it)
-#: and the key can be reserved anew. The caller inserts the tasks of the keys it took over.
+#: taken)`` per key; ``task_id`` NULL means the reservation vanished (retention deleted it) or
+#: a concurrent producer took it over after this statement began: the caller tries the key
+#: again. The caller inserts the tasks of the keys it took over.
 TAKE_OVER_KEYS: Final = _take_over_keys()

@@ -40,8 +40,10 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.sql.dml import ReturningUpdate
 
 from sqlalchemy_pgtask.statements._common import (
+    CANCELLED_ERROR,
     NOW,
     UUID_T,
     Lease,
@@ -63,14 +65,15 @@ __all__ = [
     "CompleteParams",
     "FailParams",
     "FenceParams",
+    "ReleaseParams",
     "RenewParams",
     "complete_params",
     "fail_params",
     "fence_params",
+    "release_params",
     "renew_params",
 ]
 
-_CANCELLED_ERROR: Final = cast(literal_column("""'{"type": "cancelled"}'"""), JSONB)
 _EXPIRED_ERROR: Final = cast(literal_column("""'{"type": "lease_expired"}'"""), JSONB)
 
 
@@ -93,6 +96,10 @@ class CompleteParams(FenceParams):
     results: list[str]
 
 
+class ReleaseParams(FenceParams):
+    delays: list[float]
+
+
 class FailParams(FenceParams):
     errors: list[str]
     delays: list[float | None]
@@ -112,6 +119,14 @@ def renew_params(leases: Sequence[Lease], lease_seconds: float) -> RenewParams:
 
 def complete_params(leases: Sequence[Lease], results: Sequence[str]) -> CompleteParams:
     return {**fence_params(leases), "results": list(results)}
+
+
+def release_params(leases: Sequence[Lease], delays: Sequence[float] | None = None) -> ReleaseParams:
+    """Release ``leases``, each pending again after its delay (default: at once)."""
+    return {
+        **fence_params(leases),
+        "delays": [0.0] * len(leases) if delays is None else [float(d) for d in delays],
+    }
 
 
 def fail_params(
@@ -165,7 +180,7 @@ def _in_held(held: CTE, request: TableValuedAlias) -> list[ColumnElement[bool]]:
     ]
 
 
-def _renew() -> Any:
+def _renew() -> ReturningUpdate[Any]:
     request = _requests()
     return (
         update(tasks)
@@ -235,7 +250,7 @@ def _complete() -> Select[Any]:
         case((go_on, literal_column("'succeeded'")), else_=literal_column("'cancelled'")),
         {
             "result": case((go_on, cast(request.c.result, JSONB)), else_=null()),
-            "error": case((go_on, null()), else_=_CANCELLED_ERROR),
+            "error": case((go_on, null()), else_=CANCELLED_ERROR),
             "completed_at": NOW,
         },
     )
@@ -265,7 +280,7 @@ def _fail() -> Select[Any]:
         state,
         {
             "failed_attempts": tasks.c.failed_attempts + case((cancel, 0), else_=1),
-            "error": case((cancel, _CANCELLED_ERROR), else_=cast(request.c.error, JSONB)),
+            "error": case((cancel, CANCELLED_ERROR), else_=cast(request.c.error, JSONB)),
             "result": null(),
             "run_at": case(
                 (and_(~cancel, retry), NOW + seconds(request.c.delay)), else_=tasks.c.run_at
@@ -283,13 +298,14 @@ FAIL: Final = _fail()
 
 
 def _release() -> Select[Any]:
+    request = _requests(("delays", "delay", Double()))
     cancel = tasks.c.cancel_requested_at.is_not(None)
     return _finish(
-        _requests(),
+        request,
         case((cancel, literal_column("'cancelled'")), else_=literal_column("'pending'")),
         {
-            "run_at": NOW,
-            "error": case((cancel, _CANCELLED_ERROR), else_=tasks.c.error),
+            "run_at": NOW + seconds(request.c.delay),
+            "error": case((cancel, CANCELLED_ERROR), else_=tasks.c.error),
             "completed_at": case((cancel, NOW), else_=null()),
         },
         release=True,
@@ -297,8 +313,9 @@ def _release() -> Select[Any]:
 
 
 #: Hands attempts back (shutdown, a lease about to expire, a claim whose outcome was unknown):
-#: pending again at once, and the attempt is recorded as ``released`` without counting as a
-#: failure. Fenced like `COMPLETE`. Returns ``(id, state)`` per release. Binds `FenceParams`.
+#: pending again after ``delay`` seconds (0: at once), and the attempt is recorded as
+#: ``released`` without counting as a failure. Fenced like `COMPLETE`. Returns ``(id, state)``
+#: per release. Binds `ReleaseParams`.
 RELEASE: Final = _release()
 
 
@@ -327,7 +344,7 @@ def _recover() -> Select[Any]:
         .values(
             state=state,
             failed_attempts=tasks.c.failed_attempts + case((cancel, 0), else_=1),
-            error=case((cancel, _CANCELLED_ERROR), else_=_EXPIRED_ERROR),
+            error=case((cancel, CANCELLED_ERROR), else_=_EXPIRED_ERROR),
             run_at=NOW,
             completed_at=case((and_(~cancel, retry), null()), else_=NOW),
             lease_token=None,

@@ -6,9 +6,23 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, Final, TypedDict
 
-from sqlalchemy import Boolean, Double, Integer, Text, bindparam, func, insert, select, update
+from sqlalchemy import (
+    Boolean,
+    Double,
+    Insert,
+    Integer,
+    TableValuedAlias,
+    Text,
+    bindparam,
+    func,
+    insert,
+    select,
+    update,
+)
 from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.dialects.postgresql import Insert as PgInsert
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.sql.dml import ReturningDelete
 
 from sqlalchemy_pgtask.retry import PolicyArrays, RetryPolicy
 from sqlalchemy_pgtask.statements._common import (
@@ -85,7 +99,7 @@ def policy_params(served: Sequence[Capability]) -> PolicyParams:
     }
 
 
-def _register_worker() -> Any:
+def _register_worker() -> PgInsert:
     values = {
         "id": bindparam("worker_id", type_=UUID_T),
         "queues": bindparam("queues", type_=ARRAY(Text)),
@@ -119,7 +133,7 @@ CLEAR_CAPABILITIES: Final = capabilities.delete().where(
 )
 
 
-def _identities() -> Any:
+def _identities() -> TableValuedAlias:
     return arrays(
         "identity",
         ("queues", "queue", Text()),
@@ -128,7 +142,7 @@ def _identities() -> Any:
     )
 
 
-def _add_capabilities() -> Any:
+def _add_capabilities() -> Insert:
     rows = _identities()
     return insert(capabilities).from_select(
         ["worker_id", "queue", "name", "version"],
@@ -146,7 +160,7 @@ POLICY_COLUMNS: Final = (
 )
 
 
-def _register_policies() -> Any:
+def _register_policies() -> PgInsert:
     rows = arrays(
         "policy",
         ("queues", "queue", Text()),
@@ -159,15 +173,24 @@ def _register_policies() -> Any:
         ("retry_jitters", "retry_jitter", Boolean()),
         ("max_attempts", "max_attempts", Integer()),
     )
-    return (
-        pg_insert(policies)
-        .from_select(list(POLICY_COLUMNS), select(*(rows.c[c] for c in POLICY_COLUMNS)))
-        .on_conflict_do_nothing(index_elements=["queue", "name", "version"])
+    statement = pg_insert(policies).from_select(
+        list(POLICY_COLUMNS), select(*(rows.c[c] for c in POLICY_COLUMNS))
+    )
+    # Nothing frozen changes; only a max_attempts never frozen (NULL: frozen before the
+    # column existed) is set by the first worker that registers the identity again.
+    return statement.on_conflict_do_update(
+        index_elements=["queue", "name", "version"],
+        set_={
+            "max_attempts": func.coalesce(
+                policies.c.max_attempts, statement.excluded.max_attempts
+            )
+        },
     )
 
 
 #: Freezes the policy (retry and attempt budget) of each (queue, name, version) the first time
-#: any worker registers it; an existing policy is never changed. Binds `PolicyParams`.
+#: any worker registers it; an existing policy is never changed (except a ``max_attempts``
+#: frozen as NULL before it existed). Locks the identities' rows. Binds `PolicyParams`.
 REGISTER_POLICIES: Final = _register_policies()
 
 #: The frozen policies of the given identities, to compare with a worker's own. Binds
@@ -200,7 +223,7 @@ RETIRE_WORKER: Final = (
 )
 
 
-def _prune_workers() -> Any:
+def _prune_workers() -> ReturningDelete[Any]:
     gone = (
         select(workers.c.id)
         .where(workers.c.expires_at <= NOW - seconds(bindparam("retention_seconds", type_=Double)))

@@ -42,7 +42,8 @@ class TaskSummary:
     state: TaskState
     priority: int
     attempt: int
-    max_attempts: int
+    #: None until the first claim fills in the handler's.
+    max_attempts: int | None
     run_at: datetime
     created_at: datetime
     updated_at: datetime

@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 from sqlalchemy import create_engine, func, or_, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from sqlalchemy_pgtask._connection import bounded
+from sqlalchemy_pgtask._asyncio import bounded
 from sqlalchemy_pgtask.models import Task
 from sqlalchemy_pgtask.registry import Registry
 from sqlalchemy_pgtask.statements import NOW

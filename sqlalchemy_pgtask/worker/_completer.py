@@ -5,7 +5,7 @@ An outcome leaves the completer only when it is written, or when its lease is kn
 retried:
 
 * a row another transaction holds locked is skipped by the statement (it never waits) and
-  written on a later try;
+  set aside to be written on a later try, while other outcomes go on being written;
 * a transient failure (the connection broke) leaves the commit's outcome unknown: the lease
   state is re-read, and what is still held is written again;
 * a batch the database rejects is written one outcome at a time, so one bad outcome cannot
@@ -17,7 +17,9 @@ retried:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from sqlalchemy_pgtask import statements
+from sqlalchemy_pgtask._asyncio import bounded
 from sqlalchemy_pgtask.outcome import Outcome, WriteKind, error_document
 from sqlalchemy_pgtask.statements import Lease
 from sqlalchemy_pgtask.states import RUNNING
@@ -40,6 +43,8 @@ logger = logging.getLogger("sqlalchemy_pgtask.worker")
 class _Pending:
     attempt: ActiveAttempt
     outcome: Outcome
+    #: Times its row was found locked by another transaction.
+    skipped: int = 0
 
 
 class Completer:
@@ -50,36 +55,55 @@ class Completer:
         self._book = book
         self._batch_size = batch_size
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
+        #: Outcomes whose row was locked, with the monotonic time to try them again.
+        self._later: list[tuple[float, _Pending]] = []
 
     def submit(self, attempt: ActiveAttempt, outcome: Outcome) -> None:
         self._queue.put_nowait(_Pending(attempt, outcome))
 
     async def run(self) -> None:
         while True:
-            batch = [await self._queue.get()]
+            skipped = await self._write(await self._next_batch())
+            now = time.monotonic()
+            for item in skipped:
+                item.skipped += 1
+                self._later.append((now + min(2.0, 0.05 * 2**item.skipped), item))
+
+    async def _next_batch(self) -> list[_Pending]:
+        """Outcomes due for a write: new ones, and set-aside ones whose moment has come."""
+        while True:
+            now = time.monotonic()
+            batch = [item for due, item in self._later if due <= now]
+            if batch:
+                self._later = [(due, item) for due, item in self._later if due > now]
+            if not batch and self._queue.empty():
+                if not self._later:
+                    batch.append(await self._queue.get())
+                else:
+                    wait = min(due for due, _ in self._later) - now
+                    with contextlib.suppress(TimeoutError):
+                        batch.append(await bounded(self._queue.get(), wait))
             while len(batch) < self._batch_size and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
-            await self._write(batch)
+            if batch:
+                return batch
 
-    async def _write(self, batch: list[_Pending]) -> None:
+    async def _write(self, batch: list[_Pending]) -> list[_Pending]:
+        """Write ``batch``; return what was skipped because another transaction holds it."""
         backoff = Backoff(base=0.02, cap=2.0)
         pending = batch
-        while pending:
+        while True:
             try:
-                pending = await self._write_batch(pending)
+                return await self._write_batch(pending)
             except Exception as exc:
                 if not is_transient(exc):
                     logger.exception("writing %d outcome(s) failed; one by one now", len(pending))
-                    pending = await self._one_by_one(pending)
-                else:
-                    logger.warning("writing outcomes failed (%s); retrying", brief(exc))
-                    await asyncio.sleep(backoff.next())
-                    pending = await self._still_held(pending)
-                continue
-            if pending:  # rows someone holds locked: try again in a moment
+                    return await self._one_by_one(pending)
+                logger.warning("writing outcomes failed (%s); retrying", brief(exc))
                 await asyncio.sleep(backoff.next())
-            else:
-                backoff.reset()
+                pending = await self._still_held(pending)
+                if not pending:
+                    return []
 
     async def _write_batch(self, batch: Sequence[_Pending]) -> list[_Pending]:
         """Write ``batch``; return what is still held but was skipped (its row was locked)."""
@@ -133,24 +157,29 @@ class Completer:
         return keep
 
     async def _one_by_one(self, batch: Sequence[_Pending]) -> list[_Pending]:
-        keep: list[_Pending] = []
+        """Write each outcome on its own; return what to try again later."""
+        later: list[_Pending] = []
         for item in batch:
             try:
-                keep += await self._write_batch([item])
+                later += await self._write_batch([item])
+                continue
             except Exception as exc:
                 if is_transient(exc):
-                    keep.append(item)  # re-read and written again by the caller's next round
+                    later.append(item)  # its lease is re-read when it is written again
                     continue
                 logger.exception("task %s: outcome rejected", item.attempt.task_id)
                 # Never leave a task to retry the same unwritable outcome forever.
-                fallback = _Pending(
-                    item.attempt,
-                    Outcome(
-                        "fail", error_document("outcome_rejected", exc), None, "outcome_rejected"
-                    ),
+                rejected = Outcome(
+                    "fail", error_document("outcome_rejected", exc), None, "outcome_rejected"
                 )
-                keep += await self._write_batch([fallback])
-        return keep
+                fallback = _Pending(item.attempt, rejected)
+            try:
+                later += await self._write_batch([fallback])
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise  # not even a failure can be recorded: the installation is broken
+                later.append(fallback)
+        return later
 
 
 async def _execute(
@@ -170,5 +199,8 @@ async def _execute(
             ),
         )
     else:
-        rows = await conn.execute(statements.RELEASE, statements.fence_params(leases))
+        rows = await conn.execute(
+            statements.RELEASE,
+            statements.release_params(leases, [item.outcome.delay or 0.0 for item in group]),
+        )
     return {row.id for row in rows.all()}

@@ -108,9 +108,16 @@ class Executor:
     """Starts a handler for each claimed row and hands its outcome to the completer."""
 
     def __init__(
-        self, *, registry: Registry, book: AttemptBook, sink: OutcomeSink, worker_id: Any
+        self,
+        *,
+        registry: Registry,
+        book: AttemptBook,
+        sink: OutcomeSink,
+        worker_id: Any,
+        lease_seconds: float,
     ) -> None:
         self._registry = registry
+        self._lease = lease_seconds
         self._book = book
         self._sink = sink
         self._worker_id = worker_id
@@ -168,21 +175,39 @@ class Executor:
                     returned = await returned
         except BaseException as exc:  # every way a handler can end is an outcome
             raised = exc
-        outcome = decide(
-            returned=returned,
-            raised=raised,
-            stop=ctx.stop_reason,
-            stopped_by_worker=attempt.stopped_by_worker,
-            policy=attempt.policy,
-            failed_attempts=ctx.failed_attempts,
-            non_retryable=definition.non_retryable,
-        )
-        self._log_end(attempt, outcome, raised)
-        self._book.settle(attempt)
-        if outcome is None:
-            self._book.forget(attempt)
-        else:
-            self._sink.submit(attempt, outcome)
+        outcome: Outcome | None = None
+        try:
+            if (
+                not definition.is_async
+                and attempt.stopped_by_worker
+                and isinstance(raised, asyncio.CancelledError)
+            ):
+                # The worker stopped waiting, but the handler's thread runs on. Handed back
+                # at once, another worker could start the task while this thread still runs
+                # it; so it runs again no sooner than its lease could have expired (no
+                # failure is counted, as for any release).
+                outcome = Outcome("release", delay=self._lease)
+                logger.warning(
+                    "task %s attempt %d: its synchronous handler ignored the stop request; "
+                    "handed back to run again in %.1fs", ctx.task_id, ctx.attempt, self._lease,
+                )
+            else:
+                outcome = decide(
+                    returned=returned,
+                    raised=raised,
+                    stop=ctx.stop_reason,
+                    stopped_by_worker=attempt.stopped_by_worker,
+                    policy=attempt.policy,
+                    failed_attempts=ctx.failed_attempts,
+                    non_retryable=definition.non_retryable,
+                )
+                self._log_end(attempt, outcome, raised)
+        finally:  # whatever happens here, the slot is freed and the attempt settled
+            self._book.settle(attempt)
+            if outcome is None:
+                self._book.forget(attempt)
+            else:
+                self._sink.submit(attempt, outcome)
 
     def _log_end(
         self, attempt: ActiveAttempt, outcome: Outcome | None, raised: BaseException | None

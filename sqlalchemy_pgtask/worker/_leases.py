@@ -96,7 +96,11 @@ class LeaseKeeper:
                     "task %s: its row is locked by another transaction; lease not extended",
                     attempt.task_id,
                 )
-            elif not attempt.settled and self._book.active.get(attempt.task_id) is attempt:
+            elif (
+                not attempt.settled
+                and attempt.ctx.stop_reason != "lease_lost"  # said once, not every round
+                and self._book.active.get(attempt.task_id) is attempt
+            ):
                 logger.warning(
                     "task %s attempt %d lost its lease; stopping its handler",
                     attempt.task_id, attempt.lease.attempt,

@@ -23,7 +23,7 @@ from typing import Protocol
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from sqlalchemy_pgtask import statements
-from sqlalchemy_pgtask._connection import bounded
+from sqlalchemy_pgtask._asyncio import bounded
 from sqlalchemy_pgtask.worker._reconnect import Backoff, HeldConnection, brief, is_transient
 
 __all__ = ["MaintenanceRunner", "MaintenanceService", "Recovery", "WorkerPruning"]

@@ -17,30 +17,19 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable
-from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from sqlalchemy_pgtask import statements
+from sqlalchemy_pgtask._asyncio import first
 from sqlalchemy_pgtask.statements import CapabilityParams, Lease
 from sqlalchemy_pgtask.worker._attempts import AttemptBook
 from sqlalchemy_pgtask.worker._executor import Executor
 from sqlalchemy_pgtask.worker._reconnect import Backoff, HeldConnection, brief, is_transient
 
-__all__ = ["Producer", "first"]
+__all__ = ["Producer"]
 
 logger = logging.getLogger("sqlalchemy_pgtask.worker")
-
-
-async def first(*waits: Awaitable[Any], timeout: float | None = None) -> None:
-    """Wait until the first of ``waits`` finishes or ``timeout`` passes; cancel the rest."""
-    tasks = [asyncio.ensure_future(w) for w in waits]
-    try:
-        await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in tasks:
-            task.cancel()
 
 
 class Producer:
@@ -66,8 +55,9 @@ class Producer:
         self._poll = poll_interval
         self._wake = wake
         self._stopping = stopping
-        #: A claim failed in a way that leaves its commit unknown.
-        self.unknown_claims = False
+        #: Until this monotonic time, a claim that failed may still commit (its backend may
+        #: not have seen the connection break yet): each pass reads the leases back till then.
+        self._unknown_until = 0.0
 
     async def run(self) -> None:
         backoff = Backoff(cap=5.0)
@@ -105,7 +95,7 @@ class Producer:
         """Claim up to ``free``: whether all were filled, else seconds until the next is due
         (None: nothing is scheduled)."""
         async with self._connection.use() as conn:
-            if self.unknown_claims:
+            if self._unknown_until:
                 await self._hand_back_unknown(conn)
             sent = time.monotonic()
             try:
@@ -119,7 +109,9 @@ class Producer:
                     )
                 ).all()
             except BaseException:
-                self.unknown_claims = True
+                # Read back for a lease: past that, a late commit's tasks would be expired
+                # and recovered anyway.
+                self._unknown_until = time.monotonic() + self._lease
                 raise
             for row in rows:
                 self._executor.start(row, sent)
@@ -133,7 +125,7 @@ class Producer:
 
     async def hand_back_unknown(self) -> None:
         """Release what a claim of unknown outcome took (used at shutdown)."""
-        if self.unknown_claims:
+        if self._unknown_until:
             async with self._connection.use() as conn:
                 await self._hand_back_unknown(conn)
 
@@ -146,10 +138,11 @@ class Producer:
         ]
         if orphans:
             released = (
-                await conn.execute(statements.RELEASE, statements.fence_params(orphans))
+                await conn.execute(statements.RELEASE, statements.release_params(orphans))
             ).all()
             logger.warning(
                 "handed back %d task(s) claimed by a claim whose outcome was unknown",
                 len(released),
             )
-        self.unknown_claims = False
+        if time.monotonic() >= self._unknown_until:
+            self._unknown_until = 0.0

@@ -47,6 +47,12 @@ def brief(exc: BaseException) -> str:
     return f"{type(cause).__name__}: {lines[0] if lines else ''}"
 
 
+#: SQLSTATEs worth retrying that psycopg does not raise as ``OperationalError``: a server
+#: that is read-only for now (a standby, or an old primary after a failover) and the
+#: recovery-time and shutdown classes.
+_TRANSIENT_SQLSTATES: Final = frozenset({"25006", "57P01", "57P02", "57P03", "53300"})
+
+
 def is_transient(exc: BaseException) -> bool:
     """Retry after backoff? A lost connection also means a transaction's outcome is unknown.
 
@@ -54,9 +60,13 @@ def is_transient(exc: BaseException) -> bool:
     ``statement_timeout`` (``QueryCanceled``), serialisation failures and deadlocks.
     """
     if isinstance(exc, DBAPIError):
-        return bool(exc.connection_invalidated) or isinstance(
-            exc.orig, (psycopg.OperationalError, psycopg.InterfaceError)
+        return (
+            bool(exc.connection_invalidated)
+            or isinstance(exc.orig, (psycopg.OperationalError, psycopg.InterfaceError))
+            or getattr(exc.orig, "sqlstate", None) in _TRANSIENT_SQLSTATES
         )
+    if getattr(exc, "sqlstate", None) in _TRANSIENT_SQLSTATES:
+        return True
     return isinstance(
         exc, (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout, OSError, TimeoutError)
     )

@@ -21,7 +21,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from sqlalchemy_pgtask import statements
-from sqlalchemy_pgtask._connection import bounded
+from sqlalchemy_pgtask._asyncio import bounded
 from sqlalchemy_pgtask.errors import PolicyConflict
 from sqlalchemy_pgtask.retry import RetryPolicy
 from sqlalchemy_pgtask.statements import Capability
@@ -76,6 +76,7 @@ class Registration:
                 row = frozen[(capability.queue, capability.name, capability.version)]
                 retry = RetryPolicy.from_row(row)
                 if retry != capability.retry or row.max_attempts != capability.max_attempts:
+                    # max_attempts is never NULL here: registering froze a missing one.
                     raise PolicyConflict(
                         f"{capability.name!r} version {capability.version} on queue "
                         f"{capability.queue!r} has the retry policy {retry} and max_attempts "
@@ -83,18 +84,16 @@ class Registration:
                         f"{capability.retry} and max_attempts {capability.max_attempts}; "
                         "policies are immutable, so register the new policy under a new version"
                     )
-            await conn.execute(
-                statements.REGISTER_WORKER,
-                {
-                    "worker_id": self._worker_id,
-                    "queues": self._queues,
-                    "version": __version__,
-                    "hostname": socket.gethostname(),
-                    "pid": os.getpid(),
-                    "concurrency": self._concurrency,
-                    "ttl_seconds": float(self._ttl),
-                },
-            )
+            worker: statements.RegisterParams = {
+                "worker_id": self._worker_id,
+                "queues": self._queues,
+                "version": __version__,
+                "hostname": socket.gethostname(),
+                "pid": os.getpid(),
+                "concurrency": self._concurrency,
+                "ttl_seconds": float(self._ttl),
+            }
+            await conn.execute(statements.REGISTER_WORKER, worker)
             await conn.execute(statements.CLEAR_CAPABILITIES, {"worker_id": self._worker_id})
             await conn.execute(
                 statements.ADD_CAPABILITIES,
@@ -102,17 +101,13 @@ class Registration:
             )
 
     async def heartbeat(self) -> None:
+        beat: statements.HeartbeatParams = {
+            "worker_id": self._worker_id,
+            "ttl_seconds": float(self._ttl),
+            "draining": self.draining,
+        }
         async with self._connection.use() as conn:
-            alive = (
-                await conn.execute(
-                    statements.HEARTBEAT,
-                    {
-                        "worker_id": self._worker_id,
-                        "ttl_seconds": float(self._ttl),
-                        "draining": self.draining,
-                    },
-                )
-            ).first()
+            alive = (await conn.execute(statements.HEARTBEAT, beat)).first()
         if alive is None and not self.draining:
             logger.warning("worker row %s disappeared; registering again", self._worker_id)
             await self.register()

@@ -26,7 +26,7 @@ from sqlalchemy import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from sqlalchemy_pgtask import statements
-from sqlalchemy_pgtask._connection import bounded
+from sqlalchemy_pgtask._asyncio import bounded, first
 from sqlalchemy_pgtask.errors import InvalidOptionError, SchemaNotInstalled, WorkerCrashed
 from sqlalchemy_pgtask.registry import Registry
 from sqlalchemy_pgtask.statements import Capability
@@ -37,7 +37,7 @@ from sqlalchemy_pgtask.worker._leases import LeaseKeeper
 from sqlalchemy_pgtask.worker._listener import Listener
 from sqlalchemy_pgtask.worker._maintenance import MaintenanceRunner, Recovery, WorkerPruning
 from sqlalchemy_pgtask.worker._options import WorkerOptions
-from sqlalchemy_pgtask.worker._producer import Producer, first
+from sqlalchemy_pgtask.worker._producer import Producer
 from sqlalchemy_pgtask.worker._reconnect import HeldConnection
 from sqlalchemy_pgtask.worker._registration import Registration
 
@@ -82,6 +82,12 @@ class Worker:
         if not served:
             raise InvalidOptionError("queues", f"no handler is registered on {self.queues}")
         if isinstance(database, AsyncEngine):
+            if database.dialect.driver != "psycopg":
+                raise InvalidOptionError(
+                    "database",
+                    f"the worker speaks psycopg 3; this engine uses {database.dialect.driver!r}"
+                    " (use a postgresql+psycopg:// URL)",
+                )
             self._engine = database
             self._owns_engine = False
         else:
@@ -119,7 +125,8 @@ class Worker:
             batch_size=options.write_batch_size,
         )
         self._executor = Executor(
-            registry=registry, book=self._book, sink=self._completer, worker_id=self.id
+            registry=registry, book=self._book, sink=self._completer, worker_id=self.id,
+            lease_seconds=lease,
         )
         self._leases = LeaseKeeper(
             connection=self._connections["control"], book=self._book, executor=self._executor,
@@ -153,6 +160,8 @@ class Worker:
         )
         self._loops: dict[str, asyncio.Task[None]] = {}
         self._crashed: tuple[str, BaseException] | None = None
+        #: The worker is cancelling its own loops: their ends are not failures.
+        self._closing = False
         self._crash = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -172,9 +181,11 @@ class Worker:
             self._wake.set()
 
         # Before run() there is no loop yet: the flags make run() return right after startup.
-        if loop is None or _running_loop() is loop:
+        if loop is None:
             request()
         elif not loop.is_closed():
+            # Thread-safe even on the loop's own thread: from a signal handler, a plain
+            # call_soon would not wake a loop waiting in select() until its next timer.
             with contextlib.suppress(RuntimeError):  # closed in between
                 loop.call_soon_threadsafe(request)
 
@@ -248,12 +259,17 @@ class Worker:
         self._loops[name] = task
 
         def ended(done: asyncio.Task[None]) -> None:
-            if done.cancelled() or self._crashed is not None:
+            if self._closing or self._crashed is not None:
                 return
-            exc = done.exception()
-            if exc is None and name == "producer" and self._stopping.is_set():
-                return  # the claim loop ends by design once stopping
-            failure = exc or RuntimeError(f"{name} loop returned")
+            if done.cancelled():
+                if name == "producer" and self._stopping.is_set():
+                    return  # the stop cancels a claim in flight on purpose
+                failure: BaseException = RuntimeError(f"{name} loop was cancelled from outside")
+            else:
+                exc = done.exception()
+                if exc is None and name == "producer" and self._stopping.is_set():
+                    return  # the claim loop ends by design once stopping
+                failure = exc or RuntimeError(f"{name} loop returned")
             logger.error("worker %s: %s loop failed: %r; stopping", self.id, name, failure,
                          exc_info=failure)
             self._crashed = (name, failure)
@@ -281,11 +297,12 @@ class Worker:
         logger.info("worker %s: stopping; no new claims", self.id)
         producer = self._loops.get("producer")
         if producer is not None and not producer.done():
-            await first(asyncio.shield(producer), timeout=_STEP_TIMEOUT)
+            if not self._immediate.is_set():
+                await first(asyncio.shield(producer), timeout=_STEP_TIMEOUT)
             if not producer.done():
                 producer.cancel()  # a claim in flight; its outcome is swept below
                 await asyncio.gather(producer, return_exceptions=True)
-        if "heartbeat" in self._loops:
+        if "heartbeat" in self._loops and not self._immediate.is_set():
             with contextlib.suppress(Exception):  # visible as draining at once, not at the end
                 await bounded(self._registration.heartbeat(), _STEP_TIMEOUT)
         deadline = time.monotonic() + self.options.shutdown_grace
@@ -306,22 +323,25 @@ class Worker:
         for attempt in leftovers:
             self._executor.stop(attempt, "shutdown", force=True)
         await self._flush_outcomes()
-        if self._crashed is None:
+        if self._crashed is None or self._crashed[0] != "producer":
             with contextlib.suppress(Exception):
                 await bounded(self._producer.hand_back_unknown(), _STEP_TIMEOUT)
         logger.info("worker %s: stopped", self.id)
 
+    def _loop_ended(self, name: str) -> bool:
+        loop = self._loops.get(name)
+        return loop is None or loop.done()
+
     async def _flush_outcomes(self) -> None:
         """Wait for the completer to write what is queued, while leases are still renewed.
 
-        Bounded by the lease: a release written after its lease expired would be fenced out
-        anyway, and recovery hands the task back instead.
+        Also after another loop failed: outcomes already decided are worth writing. Bounded by
+        the lease: a release written after its lease expired would be fenced out anyway, and
+        recovery hands the task back instead.
         """
-        if self._crashed is not None and self._crashed[0] == "completer":
-            return
         await asyncio.sleep(0)  # let stopped handlers settle
         deadline = time.monotonic() + self.options.lease_duration
-        while self._book.active and not self._crash.is_set():
+        while self._book.active and not self._loop_ended("completer"):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 logger.warning(
@@ -330,9 +350,13 @@ class Worker:
                 )
                 return
             self._book.changed.clear()
-            await first(self._book.changed.wait(), self._crash.wait(), timeout=remaining)
+            await first(
+                self._book.changed.wait(), asyncio.shield(self._loops["completer"]),
+                timeout=remaining,
+            )
 
     async def _close(self) -> None:
+        self._closing = True
         loops = list(self._loops.values())
         handles = self._executor.handles()
         for attempt in self._book.running():
@@ -344,14 +368,9 @@ class Worker:
             await asyncio.wait(handles, timeout=_STEP_TIMEOUT)
         await self._registration.retire(_STEP_TIMEOUT)
         for connection in self._connections.values():
-            await connection.close()
+            with contextlib.suppress(Exception):  # a silent network must not hang the exit
+                await bounded(connection.close(), _STEP_TIMEOUT)
         self._executor.close()
         if self._owns_engine:
-            await self._engine.dispose()
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
+            with contextlib.suppress(Exception):
+                await bounded(self._engine.dispose(), _STEP_TIMEOUT)

@@ -232,3 +232,82 @@ async def test_finished_tasks_give_their_room_back(
         session.commit()
         [settings] = list_queues(session)
     assert settings.outstanding_tasks == 2
+
+
+async def test_an_outcome_whose_row_is_held_never_holds_back_the_others(
+    pgtask_database_url: str, pgtask_engine: Engine, pgtask_async_engine: AsyncEngine
+) -> None:
+    registry = Registry()
+    release = asyncio.Event()
+
+    @registry.task("gated")
+    async def gated(ctx: TaskContext, payload: None) -> str:
+        await release.wait()
+        return "done"
+
+    held, other = await add(pgtask_async_engine, "gated"), await add(pgtask_async_engine, "gated")
+
+    def both_running() -> bool:
+        with pgtask_engine.connect() as conn:
+            return bool(conn.execute(
+                text("SELECT count(*) = 2 FROM pgtask.tasks WHERE state = 'running'")
+            ).scalar_one())
+
+    async with running_worker(registry, pgtask_database_url, FAST):
+        await wait_until(both_running, 30, message="both handlers to start")
+        with Session(pgtask_engine) as producer:
+            assert cancel(producer, held) == "running"  # holds that task's row
+            release.set()  # both finish; one outcome must wait for the row, the other not
+            row = await wait_for_state(pgtask_async_engine, other, timeout=HOLD)
+            producer.commit()
+        held_row = await wait_for_state(pgtask_async_engine, held, timeout=60)
+    assert row["state"] == "succeeded"
+    assert held_row["state"] == "cancelled"  # the success came after the cancel request
+
+
+def test_creating_or_touching_a_limited_queue_keeps_its_count(pgtask_engine: Engine) -> None:
+    with Session(pgtask_engine) as session:
+        configure_queue(session, "q", max_outstanding_tasks=3)
+        first = enqueue(session, "t", queue="q").id
+        enqueue(session, "t", queue="q")
+        session.commit()
+        session.execute(
+            text(
+                "UPDATE pgtask.tasks SET state = 'succeeded', completed_at = pgtask.now()"
+                " WHERE id = :id"
+            ),
+            {"id": first},
+        )
+        session.commit()
+        assert list_queues(session)[0].outstanding_tasks == 1
+        configure_queue(session, "q")  # an "ensure it exists" upsert with nothing to change
+        configure_queue(session, "q", paused=False)
+        session.commit()
+        assert list_queues(session)[0].outstanding_tasks == 1
+        enqueue(session, "t", queue="q")
+        enqueue(session, "t", queue="q")
+        session.commit()
+        with pytest.raises(QueueFull):
+            enqueue(session, "t", queue="q")
+
+
+def test_turning_a_capacity_on_gives_up_rather_than_queue_every_writer_behind_it(
+    pgtask_engine: Engine,
+) -> None:
+    with Session(pgtask_engine) as producer, Session(pgtask_engine) as admin:
+        enqueue(producer, "t", queue="q")  # an open transaction that wrote to pgtask.tasks
+        with pytest.raises(DBAPIError, match="waited 3 s") as raised:
+            configure_queue(admin, "q", max_outstanding_tasks=10)
+        assert getattr(raised.value.orig, "sqlstate", None) == "55P03"
+        producer.rollback()
+
+
+def test_a_capacity_may_be_turned_on_under_read_uncommitted(pgtask_engine: Engine) -> None:
+    # PostgreSQL runs READ UNCOMMITTED as READ COMMITTED: its statements see the latest commits.
+    uncommitted = pgtask_engine.execution_options(isolation_level="READ UNCOMMITTED")
+    with Session(uncommitted) as session:
+        enqueue(session, "t", queue="q")
+        session.commit()
+        configure_queue(session, "q", max_outstanding_tasks=3)
+        session.commit()
+        assert list_queues(session)[0].outstanding_tasks == 1

@@ -30,6 +30,7 @@ from sqlalchemy_pgtask import (
 from sqlalchemy_pgtask.testing import DatabaseClock
 from tests.support.engines import statements_of
 from tests.support.urls import libpq_url
+from tests.support.waiting import PATIENCE, wait_until
 
 
 def task_count(engine: Engine) -> int:
@@ -540,3 +541,53 @@ def test_a_batch_with_one_different_option_still_stores_each_tasks_own(
         session.commit()
         priorities = {r.id: r.priority for r in session.execute(select(Task.id, Task.priority))}
     assert [priorities[r.id] for r in results] == [0, 0, 0, 0, 0, 9]
+
+
+def test_a_key_taken_over_by_a_concurrent_producer_returns_its_task_not_the_expired_one(
+    pgtask_engine: Engine,
+) -> None:
+    with Session(pgtask_engine) as session:
+        session.add(Queue(name="q", idempotency_retention_seconds=0))
+        old = enqueue(session, "t", queue="q", idempotency_key="k").id
+        session.commit()
+        _finish(session, old)
+        session.commit()
+
+    def waiting_for_a_lock(count: int) -> bool:
+        with pgtask_engine.connect() as conn:
+            return bool(conn.execute(text(
+                "SELECT count(*) >= :n FROM pg_stat_activity"
+                " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            ), {"n": count}).scalar_one())
+
+    results: dict[str, Any] = {}
+    commit_first = threading.Event()
+
+    def producer(name: str, commit_when: threading.Event | None) -> None:
+        with Session(pgtask_engine) as session:
+            results[name] = enqueue(session, "t", queue="q", idempotency_key="k")
+            if commit_when is not None:
+                commit_when.wait(30)
+            session.commit()
+
+    with pgtask_engine.connect() as holder:
+        # Both producers find the key expired, then queue up to take it over behind this lock.
+        holder.execute(text(
+            "SELECT 1 FROM pgtask.idempotency_keys WHERE queue = 'q' AND key = 'k' FOR UPDATE"
+        ))
+        first = threading.Thread(target=producer, args=("first", commit_first))
+        first.start()
+        wait_until(lambda: waiting_for_a_lock(1), PATIENCE, message="the first producer to wait")
+        second = threading.Thread(target=producer, args=("second", None))
+        second.start()
+        wait_until(lambda: waiting_for_a_lock(2), PATIENCE, message="the second producer to wait")
+        holder.rollback()
+    # The first takes the key over; the second now waits for the first's commit.
+    wait_until(lambda: "first" in results, PATIENCE, message="the first take-over")
+    wait_until(lambda: waiting_for_a_lock(1), PATIENCE, message="the second to wait again")
+    commit_first.set()
+    first.join(30)
+    second.join(30)
+    assert results["first"].created
+    assert results["first"].id != old
+    assert results["second"] == (results["first"].id, False)

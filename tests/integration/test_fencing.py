@@ -57,7 +57,7 @@ def renew(conn: Connection, lease: Lease, seconds: float = LEASE) -> Sequence[An
 
 
 def release(conn: Connection, lease: Lease) -> Sequence[Any]:
-    return conn.execute(st.RELEASE, st.fence_params([lease])).all()
+    return conn.execute(st.RELEASE, st.release_params([lease])).all()
 
 
 def recover(conn: Connection, limit: int = 100) -> Sequence[Any]:

@@ -414,3 +414,52 @@ async def test_rows_of_workers_gone_longer_than_the_retention_are_pruned(
             {"id": long_gone},
         ).scalar_one()
     assert capabilities == 0
+
+
+# -- review findings: a crash still writes what was decided; loops cancelled from outside -----
+
+
+async def test_a_crash_of_another_loop_still_hands_running_tasks_back(
+    pgtask_engine: Engine,
+    pgtask_async_engine: AsyncEngine,
+    restricted_role: tuple[str, str],
+) -> None:
+    registry = Registry()
+
+    @registry.task("long")
+    async def long(ctx: TaskContext, payload: None) -> None:
+        await asyncio.sleep(3600)
+
+    role, url = restricted_role
+    task_id = await add(pgtask_async_engine, "long", max_attempts=1)
+    options = WorkerOptions(
+        lease_duration=5.0, heartbeat_interval=0.1, worker_ttl=30.0, shutdown_grace=0.0
+    )
+    worker = Worker(registry, url, options)
+    runner = asyncio.create_task(worker.run())
+    await wait_until(lambda: worker.running_count == 1, 30, message="the handler to start")
+    with pgtask_engine.begin() as conn:  # the heartbeat can no longer be written
+        conn.execute(text(f"REVOKE UPDATE ON pgtask.workers FROM {role}"))
+
+    with pytest.raises(WorkerCrashed, match="heartbeat"):
+        await asyncio.wait_for(runner, 30)
+    # The outcome writer was healthy: the running task was released, not left to expire
+    # (which would fail this max_attempts=1 task without another run).
+    row = await task_row(pgtask_async_engine, task_id)
+    assert (row["state"], row["failed_attempts"]) == ("pending", 0)
+    assert [a["state"] for a in await attempt_rows(pgtask_async_engine, task_id)] == ["released"]
+
+
+async def test_a_loop_cancelled_from_outside_stops_the_worker(
+    pgtask_database_url: str,
+) -> None:
+    registry = Registry()
+    registry.task("noop")(lambda ctx, payload: None)
+    worker = Worker(registry, pgtask_database_url, FAST)
+    runner = asyncio.create_task(worker.run())
+    await worker.wait_until_ready(30)
+    [renewer] = [t for t in asyncio.all_tasks() if t.get_name() == "pgtask-renewer"]
+    renewer.cancel()  # e.g. an application that cancels tasks it does not own
+    with pytest.raises(WorkerCrashed, match="renewer loop was cancelled"):
+        await asyncio.wait_for(runner, 30)
+    assert _live_loops() == []

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
 import pytest
 from psycopg._queries import MAX_CACHED_STATEMENT_LENGTH
@@ -53,12 +53,14 @@ BUILT: dict[str, Mapping[str, object]] = {
     "RENEW": statements.renew_params(LEASES, 30.0),
     "COMPLETE": statements.complete_params(LEASES, ["1"]),
     "FAIL": statements.fail_params(LEASES, ["{}"], [1]),
-    "RELEASE": statements.fence_params(LEASES),
+    "RELEASE": statements.release_params(LEASES),
 }
 
 
 def compiled(name: str) -> SQLCompiler:
-    return cast(SQLCompiler, WORKER_STATEMENTS[name].compile(dialect=DIALECT))
+    result = WORKER_STATEMENTS[name].compile(dialect=DIALECT)
+    assert isinstance(result, SQLCompiler)
+    return result
 
 
 def sql(name: str) -> str:

@@ -16,13 +16,17 @@ Create Date: 2026-12-01
   (which a producer's duplicate enqueue may hold). A reservation's expiry is derived from its
   task (``completed_at`` + the queue's idempotency retention) until the task is deleted, when
   the delete trigger of 0001 writes it down.
-* ``queues_capacity_changed``: turning a capacity limit on (through any writer, ORM
-  ``session.add(Queue(...))`` included) recounts the outstanding tasks exactly, and refuses
-  to do so outside READ COMMITTED, where the count would come from a stale snapshot.
+* ``queues_capacity_created`` / ``queues_capacity_changed``: turning a capacity limit on
+  (through any writer, ORM ``session.add(Queue(...))`` included) recounts the outstanding
+  tasks exactly, refuses to do so outside READ COMMITTED (where the count would come from a
+  stale snapshot, SQLSTATE PT002), and gives up after 3 s of waiting for the table lock the
+  recount needs (SQLSTATE 55P03) rather than queue every writer of ``pgtask.tasks`` behind it.
 * ``queues_resumed``: resuming a paused queue sends the ``pgtask_ready`` hint, so idle workers
   claim at once instead of at their next poll.
 * ``tasks.max_attempts`` may be NULL until the first claim, which takes the registered
-  handler's ``max_attempts`` from the new ``handler_policies.max_attempts``.
+  handler's ``max_attempts``; ``handler_policies.max_attempts`` freezes it with the retry
+  policy (NULL for policies frozen before this revision, until a worker registers them).
+  Downgrading gives unclaimed tasks without their own value the old default of 5.
 * ``ix_tasks_finished``: terminal tasks by queue and state, for status counts and retention.
 """
 
@@ -155,32 +159,69 @@ BEGIN
 END
 $$;
 
+-- The exact number of outstanding tasks of a queue whose limit is being turned on.
+CREATE FUNCTION pgtask.recount_outstanding(p_queue text) RETURNS bigint
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_lock_timeout text := current_setting('lock_timeout');
+BEGIN
+    IF current_setting('transaction_isolation') NOT IN ('read committed', 'read uncommitted') THEN
+        RAISE EXCEPTION 'turning on the capacity of queue % needs a READ COMMITTED transaction', p_queue
+            USING ERRCODE = 'PT002',
+                  HINT = 'The outstanding tasks are recounted; a snapshot older than the statement would miss some.';
+    END IF;
+    -- Unlimited enqueues do not count: wait for those in flight, hold new ones back until
+    -- commit, and count with a fresh snapshot (each statement of this function takes one).
+    -- Bounded: while this waits in the lock queue, every writer of pgtask.tasks waits too.
+    BEGIN
+        PERFORM set_config('lock_timeout', '3s', true);
+        LOCK TABLE pgtask.tasks IN SHARE ROW EXCLUSIVE MODE;
+        PERFORM set_config('lock_timeout', v_lock_timeout, true);
+    EXCEPTION WHEN lock_not_available THEN
+        RAISE EXCEPTION 'turning on the capacity of queue % waited 3 s for transactions writing to pgtask.tasks', p_queue
+            USING ERRCODE = '55P03',
+                  HINT = 'A transaction that enqueued or changed tasks is still open; retry when it has ended.';
+    END;
+    DELETE FROM pgtask.capacity_releases WHERE queue = p_queue;
+    RETURN (
+        SELECT count(*) FROM pgtask.tasks
+        WHERE queue = p_queue AND state IN ('pending', 'running', 'waiting'));
+END
+$$;
+
+-- A limit changed on an existing queue (BEFORE UPDATE): recount when it is turned on.
 CREATE FUNCTION pgtask.queue_capacity_changed() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     IF NEW.max_outstanding_tasks IS NULL THEN
-        NEW.outstanding_tasks := 0;
-        DELETE FROM pgtask.capacity_releases WHERE queue = NEW.name;
-    ELSIF TG_OP = 'INSERT' OR OLD.max_outstanding_tasks IS NULL THEN
-        IF current_setting('transaction_isolation') <> 'read committed' THEN
-            RAISE EXCEPTION 'turning on the capacity of queue % needs a READ COMMITTED transaction', NEW.name
-                USING ERRCODE = 'PT002',
-                      HINT = 'The outstanding tasks are recounted; a snapshot older than the statement would miss some.';
+        IF OLD.max_outstanding_tasks IS NOT NULL THEN
+            NEW.outstanding_tasks := 0;
+            DELETE FROM pgtask.capacity_releases WHERE queue = NEW.name;
         END IF;
-        -- Unlimited enqueues do not count: wait for those in flight, hold new ones back until
-        -- commit, and count with a fresh snapshot (each statement of this function takes one).
-        LOCK TABLE pgtask.tasks IN SHARE ROW EXCLUSIVE MODE;
-        DELETE FROM pgtask.capacity_releases WHERE queue = NEW.name;
-        NEW.outstanding_tasks := (
-            SELECT count(*) FROM pgtask.tasks
-            WHERE queue = NEW.name AND state IN ('pending', 'running', 'waiting'));
+    ELSIF OLD.max_outstanding_tasks IS NULL THEN
+        NEW.outstanding_tasks := pgtask.recount_outstanding(NEW.name);
     END IF;
     RETURN NEW;
 END
 $$;
 
 CREATE TRIGGER queues_capacity_changed
-    BEFORE INSERT OR UPDATE OF max_outstanding_tasks ON pgtask.queues
+    BEFORE UPDATE OF max_outstanding_tasks ON pgtask.queues
     FOR EACH ROW EXECUTE FUNCTION pgtask.queue_capacity_changed();
+
+-- A queue created with a limit (AFTER INSERT, which an upsert that conflicts never fires).
+CREATE FUNCTION pgtask.queue_capacity_created() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE pgtask.queues SET outstanding_tasks = pgtask.recount_outstanding(NEW.name)
+    WHERE name = NEW.name;
+    RETURN NULL;
+END
+$$;
+
+CREATE TRIGGER queues_capacity_created
+    AFTER INSERT ON pgtask.queues
+    FOR EACH ROW
+    WHEN (NEW.max_outstanding_tasks IS NOT NULL)
+    EXECUTE FUNCTION pgtask.queue_capacity_created();
 
 CREATE FUNCTION pgtask.queue_resumed() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
@@ -200,8 +241,11 @@ CREATE TRIGGER queues_resumed
 _DOWN = r"""
 DROP TRIGGER queues_resumed ON pgtask.queues;
 DROP FUNCTION pgtask.queue_resumed();
+DROP TRIGGER queues_capacity_created ON pgtask.queues;
+DROP FUNCTION pgtask.queue_capacity_created();
 DROP TRIGGER queues_capacity_changed ON pgtask.queues;
 DROP FUNCTION pgtask.queue_capacity_changed();
+DROP FUNCTION pgtask.recount_outstanding(text);
 
 CREATE OR REPLACE FUNCTION pgtask.admit_inserted() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
@@ -339,14 +383,14 @@ def upgrade() -> None:
         op.f("ck_tasks_max_attempts_known"), "tasks", "max_attempts IS NOT NULL OR attempt = 0",
         schema="pgtask",
     )
+    # NULL for policies frozen before this revision: the next worker to register the identity
+    # freezes its own max_attempts instead of being refused for a value nobody chose.
     op.add_column(
-        "handler_policies",
-        sa.Column("max_attempts", sa.Integer(), server_default=sa.text("5"), nullable=False),
-        schema="pgtask",
+        "handler_policies", sa.Column("max_attempts", sa.Integer(), nullable=True), schema="pgtask"
     )
-    op.alter_column("handler_policies", "max_attempts", server_default=None, schema="pgtask")
     op.create_check_constraint(
-        op.f("ck_handler_policies_max_attempts"), "handler_policies", "max_attempts > 0",
+        op.f("ck_handler_policies_max_attempts"), "handler_policies",
+        "max_attempts IS NULL OR max_attempts > 0",
         schema="pgtask",
     )
     op.create_index(

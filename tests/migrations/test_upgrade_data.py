@@ -1,0 +1,39 @@
+"""Data written under an older revision keeps working after an upgrade to the head revision."""
+
+from __future__ import annotations
+
+from sqlalchemy import create_engine, text
+
+from sqlalchemy_pgtask import Registry, RetryPolicy, TaskContext, WorkerOptions
+from sqlalchemy_pgtask.migrations import upgrade
+from sqlalchemy_pgtask.testing import running_worker
+
+
+async def test_a_policy_frozen_before_max_attempts_was_frozen_still_lets_its_worker_start(
+    pgtask_empty_database_url: str,
+) -> None:
+    url = pgtask_empty_database_url
+    upgrade(url, "pgtask_0001")
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:  # what a 0001 worker froze for a max_attempts=3 handler
+            conn.execute(text(
+                "INSERT INTO pgtask.handler_policies (queue, name, version, retry_kind,"
+                " retry_base_seconds, retry_jitter) VALUES ('default', 'job', 1, 'fixed', 1, false)"
+            ))
+        upgrade(url)
+        registry = Registry()
+
+        @registry.task("job", retry=RetryPolicy.fixed(1.0, jitter=False), max_attempts=3)
+        async def job(ctx: TaskContext, payload: None) -> None:
+            return None
+
+        async with running_worker(registry, url, WorkerOptions(lease_duration=5.0)):
+            pass
+        with engine.connect() as conn:
+            frozen = conn.execute(
+                text("SELECT max_attempts FROM pgtask.handler_policies WHERE name = 'job'")
+            ).scalar_one()
+    finally:
+        engine.dispose()
+    assert frozen == 3
