@@ -26,8 +26,9 @@ from sqlalchemy_pgtask.client import (
     wait_for_result,
     wait_for_result_async,
 )
-from sqlalchemy_pgtask.context import TaskContext
-from sqlalchemy_pgtask.control import Fail, LeaseLost, Retry, TaskCancelled
+from sqlalchemy_pgtask.context import BaseTaskContext, SyncTaskContext, TaskContext
+from sqlalchemy_pgtask.control import Fail, LeaseLost, Retry, Suspended, TaskCancelled
+from sqlalchemy_pgtask.durable import ChildResult, SyncTransactionStep, TransactionStep
 from sqlalchemy_pgtask.enqueue import (
     EnqueueRequest,
     EnqueueResult,
@@ -44,6 +45,7 @@ from sqlalchemy_pgtask.errors import (
     PgTaskError,
     PolicyConflict,
     QueueFull,
+    ReplayMismatch,
     SchemaNotInstalled,
     TaskNotFound,
     ValidationError,
@@ -51,10 +53,13 @@ from sqlalchemy_pgtask.errors import (
 )
 from sqlalchemy_pgtask.models import (
     Attempt,
+    Checkpoint,
     HandlerPolicy,
     IdempotencyKey,
     Queue,
+    Signal,
     Task,
+    Wait,
     WorkerCapability,
     WorkerRecord,
     metadata,
@@ -68,6 +73,7 @@ from sqlalchemy_pgtask.queues import (
 )
 from sqlalchemy_pgtask.registry import Registry, TaskDefinition
 from sqlalchemy_pgtask.retry import RetryPolicy
+from sqlalchemy_pgtask.signals import emit_signal, emit_signal_async
 from sqlalchemy_pgtask.worker import Worker, WorkerOptions
 
 try:
@@ -77,6 +83,9 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "Attempt",
+    "BaseTaskContext",
+    "Checkpoint",
+    "ChildResult",
     "EnqueueRequest",
     "EnqueueResult",
     "Fail",
@@ -93,15 +102,22 @@ __all__ = [
     "QueueFull",
     "QueueSettings",
     "Registry",
+    "ReplayMismatch",
     "Retry",
     "RetryPolicy",
     "SchemaNotInstalled",
+    "Signal",
+    "Suspended",
+    "SyncTaskContext",
+    "SyncTransactionStep",
     "Task",
     "TaskCancelled",
     "TaskContext",
     "TaskDefinition",
     "TaskNotFound",
+    "TransactionStep",
     "ValidationError",
+    "Wait",
     "Worker",
     "WorkerCapability",
     "WorkerCrashed",
@@ -112,6 +128,8 @@ __all__ = [
     "cancel_async",
     "configure_queue",
     "configure_queue_async",
+    "emit_signal",
+    "emit_signal_async",
     "enqueue",
     "enqueue_async",
     "enqueue_many",

@@ -44,6 +44,7 @@ from sqlalchemy_pgtask.errors import (
     PgTaskError,
     QueueFull,
     SchemaNotInstalled,
+    TaskNotFound,
 )
 from sqlalchemy_pgtask.models import Task
 
@@ -209,6 +210,9 @@ _IN_PGTASK: Final = re.compile(r'(?<![\w$.])pgtask(?:\.|")')
 _SERIALIZATION_FAILURE: Final = "40001"
 #: Raised by the capacity recount trigger outside READ COMMITTED.
 _CAPACITY_NEEDS_READ_COMMITTED: Final = "PT002"
+_FOREIGN_KEY_VIOLATION: Final = "23503"
+#: Foreign keys whose violation means "no such task" (a signal for an unknown task).
+_TASK_REFERENCES: Final = frozenset({"fk_signals_task_id_tasks"})
 
 
 def _translate(driver_error: BaseException | None, *, idempotent: bool) -> PgTaskError | None:
@@ -222,6 +226,11 @@ def _translate(driver_error: BaseException | None, *, idempotent: bool) -> PgTas
         return QueueFull(message)
     if state in _MISSING_OBJECT and _IN_PGTASK.search(message):
         return SchemaNotInstalled(f"{SchemaNotInstalled()} The database said: {message}.")
+    if (
+        state == _FOREIGN_KEY_VIOLATION
+        and getattr(diag, "constraint_name", None) in _TASK_REFERENCES
+    ):
+        return TaskNotFound(f"{TaskNotFound()} The database said: {message}.")
     if state == _SERIALIZATION_FAILURE and idempotent:
         return IdempotencyConflict(f"{IdempotencyConflict()} The database said: {message}.")
     return None

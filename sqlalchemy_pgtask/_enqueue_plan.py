@@ -1,6 +1,6 @@
 """_enqueue_plan: turns enqueue requests into statements, and their rows into results; no I/O.
 
-Validation makes every request a `_Row` (JSON serialised once, id generated, every limit
+Validation makes every request a `TaskRow` (JSON serialised once, id generated, every limit
 checked) before any SQL runs. Planning picks the one statement for the batch. `execution` is
 the whole conversation with the database as a generator of ``(statement, parameters)`` steps,
 so the sync and async drivers in ``enqueue`` share it: one step in every common case, and a
@@ -43,10 +43,13 @@ __all__ = [
     "EnqueueResult",
     "Plan",
     "Step",
+    "TaskRow",
     "execution",
+    "new_ids",
     "plan_many",
     "plan_one",
     "validate_many",
+    "validate_request",
 ]
 
 DEFAULT_QUEUE: Final = "default"
@@ -88,7 +91,7 @@ class EnqueueRequest:
 
 
 @dataclass(frozen=True, slots=True)
-class _Row:
+class TaskRow:
     """A validated request, ready to bind: JSON already serialised, ids already generated."""
 
     id: uuid.UUID
@@ -119,7 +122,9 @@ def new_ids(count: int) -> list[uuid.UUID]:
     return ids
 
 
-def _validate(request: EnqueueRequest, task_id: uuid.UUID, prefix: str = "") -> _Row:
+def validate_request(request: EnqueueRequest, task_id: uuid.UUID, prefix: str = "") -> TaskRow:
+    """Check every field of ``request`` and serialise its JSON; ``prefix`` names its place."""
+
     def where(name: str) -> str:
         return f"{prefix}{name}"
 
@@ -141,7 +146,7 @@ def _validate(request: EnqueueRequest, task_id: uuid.UUID, prefix: str = "") -> 
         raise InvalidOptionError(where("run_at"), "give either run_at or delay, not both")
     run_at = None if request.run_at is None else check_run_at(where("run_at"), request.run_at)
     seconds = 0.0 if request.delay is None else check_delay(where("delay"), request.delay)
-    return _Row(
+    return TaskRow(
         id=task_id,
         queue=queue,
         name=name,
@@ -161,7 +166,7 @@ class Plan(NamedTuple):
 
     statement: Executable
     params: dict[str, Any]
-    rows: list[_Row]
+    rows: list[TaskRow]
     #: For each request, the index of the request whose result it shares (itself, or the first
     #: request in the batch with the same queue and idempotency key).
     owners: list[int]
@@ -173,7 +178,7 @@ class Plan(NamedTuple):
         return self.statement is statements.ENQUEUE_BATCH_IDEMPOTENT
 
 
-def _plan_row(row: _Row) -> Plan:
+def _plan_row(row: TaskRow) -> Plan:
     if row.key is None:
         params = {
             "id": row.id, "queue": row.queue, "name": row.name, "version": row.version,
@@ -184,10 +189,10 @@ def _plan_row(row: _Row) -> Plan:
     return plan_many([row])
 
 
-def plan_many(rows: list[_Row]) -> Plan:
+def plan_many(rows: list[TaskRow]) -> Plan:
     owners: list[int] = []
     first_of_key: dict[tuple[str, str], int] = {}
-    unique: list[_Row] = []
+    unique: list[TaskRow] = []
     ords: list[int] = []
     for index, row in enumerate(rows):
         if row.key is not None:
@@ -222,7 +227,7 @@ def plan_many(rows: list[_Row]) -> Plan:
     return Plan(statements.ENQUEUE_BATCH, params, rows, owners, returns_rows=False)
 
 
-def _batch_params(rows: Sequence[_Row], ords: Sequence[int]) -> dict[str, Any]:
+def _batch_params(rows: Sequence[TaskRow], ords: Sequence[int]) -> dict[str, Any]:
     return {
         "ords": list(ords),
         "ids": [row.id for row in rows],
@@ -319,10 +324,10 @@ def plan_one(
         priority=priority, max_attempts=max_attempts, idempotency_key=idempotency_key,
         headers=headers,
     )
-    return _plan_row(_validate(request, new_ids(1)[0]))
+    return _plan_row(validate_request(request, new_ids(1)[0]))
 
 
-def validate_many(requests: Iterable[EnqueueRequest]) -> list[_Row]:
+def validate_many(requests: Iterable[EnqueueRequest]) -> list[TaskRow]:
     batch = list(requests)
     ids = new_ids(len(batch))
     rows = []
@@ -331,7 +336,7 @@ def validate_many(requests: Iterable[EnqueueRequest]) -> list[_Row]:
             raise InvalidOptionError(
                 f"[{index}]", f"must be an EnqueueRequest, got {type(request).__name__}"
             )
-        rows.append(_validate(request, ids[index], f"[{index}]."))
+        rows.append(validate_request(request, ids[index], f"[{index}]."))
     return rows
 
 

@@ -1,29 +1,52 @@
-"""context: what a running handler knows about its task, and how it learns it must stop.
+"""context: what a running handler knows about its task, and its durable calls.
 
-A `TaskContext` is handed to every handler call. It never talks to the database by itself in
-this release; durable steps, sleeps and signals will be added here and will all be fenced by
-the attempt's lease.
+An ``async def`` handler gets a `TaskContext`, a plain ``def`` handler a `SyncTaskContext`;
+both carry the task's identity and the stop request, and offer the same durable calls
+(``await``-ed on the first, blocking on the second):
+
+* ``step(name, fn)``: run ``fn`` once; its JSON result is stored, and a later attempt gets
+  the stored value back without calling ``fn``.
+* ``transaction(name)``: a SQLAlchemy session whose writes commit together with the step's
+  checkpoint, only while this attempt holds its lease: exactly once.
+* ``sleep_for`` / ``sleep_until``, ``wait_for_signal``, ``wait_for_result``: suspend the task
+  (it holds no worker slot meanwhile) until a database deadline, a signal or a child's end.
+* ``spawn``: create a child task exactly once.
+
+A task that suspends or fails runs again *from the top*; every durable call with the same
+step name and occurrence then returns what it stored. See ``docs/durable.md``.
 """
 
 from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from sqlalchemy_pgtask.control import LeaseLost, TaskCancelled
+from sqlalchemy_pgtask.durable import (
+    ChildResult,
+    DurableRuntime,
+    SyncTransactionStep,
+    TransactionStep,
+)
 
-__all__ = ["StopReason", "TaskContext"]
+if TYPE_CHECKING:
+    from sqlalchemy_pgtask.registry import TaskDefinition
+
+__all__ = ["BaseTaskContext", "StopReason", "SyncTaskContext", "TaskContext"]
+
+T = TypeVar("T")
 
 #: Why a handler is asked to stop: someone cancelled the task; this attempt lost its lease; its
 #: lease could not be renewed and would expire before renewal succeeds (the worker hands the
 #: task back); or the worker is shutting down and hands the task back.
 StopReason = Literal["cancelled", "lease_lost", "lease_expiring", "shutdown"]
 
-
 @dataclass(eq=False)
-class TaskContext:
+class BaseTaskContext:
     """The task being run and the attempt running it.
 
     Asynchronous handlers are stopped by cancelling their coroutine (``finally`` blocks run).
@@ -35,7 +58,7 @@ class TaskContext:
     name: str
     version: int
     queue: str
-    #: The claim number, starting at 1; counts every claim of the task.
+    #: The claim number, starting at 1; counts every claim of the task, resumes included.
     attempt: int
     #: How many earlier attempts failed; only these count against ``max_attempts``.
     failed_attempts: int
@@ -44,6 +67,7 @@ class TaskContext:
     worker_id: uuid.UUID
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
     _reason: StopReason | None = field(default=None, repr=False)
+    _durable: DurableRuntime | None = field(default=None, repr=False)
 
     @property
     def cancelled(self) -> bool:
@@ -70,3 +94,229 @@ class TaskContext:
         self._reason = reason
         self._stop.set()
         return True
+
+    def _runtime(self) -> DurableRuntime:
+        if self._durable is None:
+            raise RuntimeError(
+                "durable calls need a worker: this context was not made by one (call the "
+                "handler through a Worker, or see sqlalchemy_pgtask.testing)"
+            )
+        return self._durable
+
+
+@dataclass(eq=False)
+class TaskContext(BaseTaskContext):
+    """The context of an ``async def`` handler; its durable calls are awaited."""
+
+    @overload
+    async def step(
+        self, name: str, fn: Callable[[], Awaitable[T]], *, occurrence: int = 0
+    ) -> T: ...
+
+    @overload
+    async def step(self, name: str, fn: Callable[[], T], *, occurrence: int = 0) -> T: ...
+
+    async def step(self, name: str, fn: Callable[[], Any], *, occurrence: int = 0) -> Any:
+        """Run ``fn`` (a function or coroutine function of no arguments) once per task.
+
+        Its result must be JSON (at most 1 MiB); it is stored under (handler version,
+        ``name``, ``occurrence``) in a write fenced by this attempt's lease, and the value
+        returned is the stored one, as JSON reads it back (a tuple comes back as a list). A
+        replay returns it without calling ``fn``. If ``fn`` raises, nothing is stored.
+
+        :raises PayloadError: the result is not JSON or too large; nothing is stored.
+        :raises InvalidOptionError: the same name and occurrence were used before in this run.
+        """
+        runtime = self._runtime()
+        key = runtime.key(name, occurrence)
+        if not callable(fn):
+            raise _not_callable(fn)
+        found, value = await runtime.replayed(key, "step")
+        if found:
+            return value
+        result = fn()
+        if isinstance(result, Awaitable):
+            result = await result
+        return await runtime.save(key, "step", result)
+
+    def transaction(self, name: str, *, occurrence: int = 0) -> TransactionStep:
+        """A session whose writes commit with this step's checkpoint, fenced by the lease.
+
+        ::
+
+            async with ctx.transaction("create-order") as tx_session:
+                tx_session.add(order)
+
+        A stale attempt's transaction rolls back as a whole (`LeaseLost`), so the block's
+        database writes happen exactly once. See `TransactionStep` for the result and replays.
+        """
+        runtime = self._runtime()
+        return runtime.transaction(runtime.key(name, occurrence))
+
+    async def sleep_for(
+        self, name: str, seconds: float | timedelta, *, occurrence: int = 0
+    ) -> None:
+        """Sleep ``seconds`` of database time without holding a worker slot.
+
+        The wake time is computed by PostgreSQL and stored; the attempt ends (`Suspended`
+        unwinds the handler) and the task is pending again at the wake time. On replay an
+        elapsed sleep returns at once.
+        """
+        runtime = self._runtime()
+        await runtime.sleep(runtime.key(name, occurrence), delay=seconds, wake_at=None)
+
+    async def sleep_until(self, name: str, when: datetime, *, occurrence: int = 0) -> None:
+        """Sleep until ``when`` (timezone-aware), compared with database time."""
+        runtime = self._runtime()
+        await runtime.sleep(runtime.key(name, occurrence), delay=None, wake_at=when)
+
+    async def wait_for_signal(
+        self,
+        step: str,
+        signal: str,
+        *,
+        occurrence: int = 0,
+        signal_occurrence: int = 0,
+        timeout: float | timedelta | None = None,
+    ) -> Any:
+        """The value of signal (``signal``, ``signal_occurrence``) sent to this task.
+
+        Returns at once if the signal already arrived; otherwise the task waits, holding no
+        worker slot, until `emit_signal` sends it or ``timeout`` seconds of database time pass
+        (then the result is None). ``occurrence`` names this call's checkpoint;
+        ``signal_occurrence`` names the event: they are independent.
+        """
+        runtime = self._runtime()
+        key = runtime.key(step, occurrence)
+        return await runtime.wait_for_signal(key, signal, signal_occurrence, timeout)
+
+    async def spawn(
+        self,
+        step: str,
+        name: str | TaskDefinition[Any, Any],
+        payload: Any = None,
+        *,
+        occurrence: int = 0,
+        **options: Any,
+    ) -> uuid.UUID:
+        """Create a child task once, and return its id (the same id on every replay).
+
+        ``name`` is a task name or a registered `TaskDefinition`. ``options`` are
+        `enqueue`'s: ``queue`` (default: the definition's, else this task's queue),
+        ``version``, ``run_at``, ``delay``, ``priority``, ``max_attempts``, ``headers``.
+        When this task ends, by any path, its unfinished descendants are cancelled.
+
+        :raises QueueFull: the child's queue is at capacity; nothing was written.
+        """
+        runtime = self._runtime()
+        key = runtime.key(step, occurrence)
+        return await runtime.spawn(key, name, payload, options)
+
+    async def wait_for_result(
+        self,
+        step: str,
+        child_id: uuid.UUID | str,
+        *,
+        occurrence: int = 0,
+        timeout: float | timedelta | None = None,
+    ) -> ChildResult:
+        """Wait, without a worker slot, until a direct child of this task ends.
+
+        On timeout (database time) the child and its whole subtree are cancelled and the
+        result's state is ``"timeout"``.
+
+        :raises InvalidOptionError: ``child_id`` is not a direct child of this task.
+        """
+        runtime = self._runtime()
+        key = runtime.key(step, occurrence)
+        return await runtime.wait_for_result(key, child_id, timeout)
+
+
+@dataclass(eq=False)
+class SyncTaskContext(BaseTaskContext):
+    """The context of a plain ``def`` handler (run in a thread); its durable calls block.
+
+    They behave exactly as `TaskContext`'s; see there.
+    """
+
+    def step(self, name: str, fn: Callable[[], T], *, occurrence: int = 0) -> T:
+        """Run ``fn`` once per task and return its stored JSON value (see `TaskContext.step`)."""
+        runtime = self._runtime()
+        key = runtime.key(name, occurrence)
+        if not callable(fn):
+            raise _not_callable(fn)
+        replay = runtime.replayed_now(key, "step")
+        found, value = replay if replay is not None else runtime.call(
+            runtime.replayed(key, "step")
+        )
+        if found:
+            return value  # type: ignore[no-any-return]
+        result = fn()
+        if isinstance(result, Awaitable):
+            raise TypeError(
+                f"step {name!r}: fn returned an awaitable; a def handler's steps run plain "
+                "functions (use an async def handler for coroutines)"
+            )
+        return runtime.call(runtime.save(key, "step", result))  # type: ignore[no-any-return]
+
+    def transaction(self, name: str, *, occurrence: int = 0) -> SyncTransactionStep:
+        """A `Session` whose writes commit with this step's checkpoint, fenced by the lease."""
+        runtime = self._runtime()
+        return runtime.sync_transaction(runtime.key(name, occurrence))
+
+    def sleep_for(self, name: str, seconds: float | timedelta, *, occurrence: int = 0) -> None:
+        """See `TaskContext.sleep_for`."""
+        runtime = self._runtime()
+        key = runtime.key(name, occurrence)
+        runtime.call(runtime.sleep(key, delay=seconds, wake_at=None))
+
+    def sleep_until(self, name: str, when: datetime, *, occurrence: int = 0) -> None:
+        """See `TaskContext.sleep_until`."""
+        runtime = self._runtime()
+        key = runtime.key(name, occurrence)
+        runtime.call(runtime.sleep(key, delay=None, wake_at=when))
+
+    def wait_for_signal(
+        self,
+        step: str,
+        signal: str,
+        *,
+        occurrence: int = 0,
+        signal_occurrence: int = 0,
+        timeout: float | timedelta | None = None,
+    ) -> Any:
+        """See `TaskContext.wait_for_signal`."""
+        runtime = self._runtime()
+        key = runtime.key(step, occurrence)
+        return runtime.call(runtime.wait_for_signal(key, signal, signal_occurrence, timeout))
+
+    def spawn(
+        self,
+        step: str,
+        name: str | TaskDefinition[Any, Any],
+        payload: Any = None,
+        *,
+        occurrence: int = 0,
+        **options: Any,
+    ) -> uuid.UUID:
+        """See `TaskContext.spawn`."""
+        runtime = self._runtime()
+        key = runtime.key(step, occurrence)
+        return runtime.call(runtime.spawn(key, name, payload, options))
+
+    def wait_for_result(
+        self,
+        step: str,
+        child_id: uuid.UUID | str,
+        *,
+        occurrence: int = 0,
+        timeout: float | timedelta | None = None,
+    ) -> ChildResult:
+        """See `TaskContext.wait_for_result`."""
+        runtime = self._runtime()
+        key = runtime.key(step, occurrence)
+        return runtime.call(runtime.wait_for_result(key, child_id, timeout))
+
+
+def _not_callable(fn: object) -> TypeError:
+    return TypeError(f"fn must be a callable of no arguments, got {type(fn).__name__}")

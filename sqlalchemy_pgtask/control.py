@@ -6,13 +6,16 @@
 * `LeaseLost` and `TaskCancelled` tell a handler to stop: its lease is gone, or someone cancelled
   the task. They derive from `BaseException` so that a handler's ``except Exception:`` cannot
   swallow them and keep running work whose result would be discarded anyway.
+* `Suspended` unwinds a handler whose task just went to sleep or started waiting (a durable
+  sleep, a signal or child-result wait): the attempt is over, its lease already released, and
+  the task runs again, replaying its checkpoints, when it wakes. Also a `BaseException`.
 """
 
 from __future__ import annotations
 
 from sqlalchemy_pgtask.validation import check_seconds
 
-__all__ = ["Fail", "LeaseLost", "Retry", "TaskCancelled"]
+__all__ = ["Fail", "LeaseLost", "Retry", "Suspended", "TaskCancelled"]
 
 
 class Fail(Exception):
@@ -41,3 +44,12 @@ class LeaseLost(BaseException):
 
 class TaskCancelled(BaseException):
     """Someone cancelled the task; stop. The task ends as cancelled."""
+
+
+class Suspended(BaseException):
+    """The task is sleeping or waiting; this attempt is over and must unwind.
+
+    Raised by a durable call that suspended the task. Let it propagate (``finally`` blocks
+    run): a handler that catches it and goes on writes nothing, because its lease is gone.
+    Suspensions never count against ``max_attempts``.
+    """

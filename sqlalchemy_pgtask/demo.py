@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import Integer, MetaData, String, create_engine, func, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from sqlalchemy_pgtask.context import TaskContext
+from sqlalchemy_pgtask.context import SyncTaskContext, TaskContext
 from sqlalchemy_pgtask.migrations import upgrade
 from sqlalchemy_pgtask.models import Attempt, Task
 from sqlalchemy_pgtask.registry import Registry
@@ -57,7 +57,7 @@ async def send_receipt(ctx: TaskContext, payload: dict[str, Any]) -> str:
 
 
 @registry.task("charge-card", retry=RetryPolicy.fixed(0.2, jitter=False), max_attempts=3)
-def charge_card(ctx: TaskContext, payload: dict[str, Any]) -> dict[str, Any]:
+def charge_card(ctx: SyncTaskContext, payload: dict[str, Any]) -> dict[str, Any]:
     if ctx.attempt == 1:
         raise ConnectionError("payment gateway timed out (the demo fails the first attempt)")
     return {"order_id": payload["order_id"], "charged_cents": payload["total_cents"]}

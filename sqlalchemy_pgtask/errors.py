@@ -12,6 +12,8 @@ The tree::
      │                                          transaction this one's snapshot cannot see
      ├── SchemaNotInstalled                     the pgtask schema is missing or out of date
      ├── TaskNotFound                           no task with that id
+     ├── ReplayMismatch                         a durable call does not match what an
+     │                                          earlier attempt recorded under its step key
      ├── WorkerCrashed                          an internal loop of a worker failed; the
      │                                          worker stopped and handed its tasks back
      ├── PolicyConflict                         a handler's retry policy or max_attempts
@@ -35,6 +37,7 @@ __all__ = [
     "PgTaskError",
     "PolicyConflict",
     "QueueFull",
+    "ReplayMismatch",
     "SchemaNotInstalled",
     "ServerNotFound",
     "TaskNotFound",
@@ -115,6 +118,15 @@ class PolicyConflict(PgTaskError):
 
     Policies are immutable per (queue, task name, handler version) so tasks already in flight
     keep retrying as they were promised. Register the new policy under a new handler version.
+    """
+
+
+class ReplayMismatch(PgTaskError):
+    """A durable call does not match the checkpoint an earlier attempt stored under its key.
+
+    For example ``ctx.step("charge", ...)`` where an earlier attempt slept under the step name
+    ``"charge"``: the handler's durable calls changed incompatibly. Register the changed
+    handler under a new version, and keep the old one registered until its tasks finish.
     """
 
 

@@ -20,10 +20,10 @@ import inspect
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Final, Generic, TypeVar
+from typing import Any, Final, Generic, Protocol, TypeVar, overload
 
 from sqlalchemy_pgtask._connection import AsyncBind, SyncBind
-from sqlalchemy_pgtask.context import TaskContext
+from sqlalchemy_pgtask.context import SyncTaskContext, TaskContext
 from sqlalchemy_pgtask.enqueue import (
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_QUEUE,
@@ -41,7 +41,7 @@ from sqlalchemy_pgtask.validation import (
     check_task_name,
 )
 
-__all__ = ["DEFAULT_RETRY", "Registry", "TaskDefinition"]
+__all__ = ["DEFAULT_RETRY", "HandlerDecorator", "Registry", "TaskDefinition"]
 
 PayloadT = TypeVar("PayloadT")
 ResultT = TypeVar("ResultT")
@@ -49,7 +49,21 @@ ResultT = TypeVar("ResultT")
 #: Exponential backoff from 1 s doubling to 60 s, with full jitter.
 DEFAULT_RETRY: Final = RetryPolicy.exponential(base=1.0, factor=2.0, max=60.0)
 
-Handler = Callable[[TaskContext, PayloadT], "ResultT | Awaitable[ResultT]"]
+P = TypeVar("P")
+R = TypeVar("R")
+
+
+class HandlerDecorator(Protocol):
+    """What `Registry.task` returns: registers an ``async def`` handler (which gets a
+    `TaskContext`) or a plain ``def`` one (which gets a `SyncTaskContext`)."""
+
+    @overload
+    def __call__(
+        self, handler: Callable[[TaskContext, P], Awaitable[R]]
+    ) -> TaskDefinition[P, R]: ...
+
+    @overload
+    def __call__(self, handler: Callable[[SyncTaskContext, P], R]) -> TaskDefinition[P, R]: ...
 
 
 @dataclass(frozen=True)
@@ -65,7 +79,8 @@ class TaskDefinition(Generic[PayloadT, ResultT]):
     queue: str
     retry: RetryPolicy
     max_attempts: int
-    handler: Callable[[TaskContext, PayloadT], Any]
+    #: ``async def (TaskContext, payload)`` or ``def (SyncTaskContext, payload)``.
+    handler: Callable[[Any, PayloadT], Any]
     #: Exception types that fail the task at once instead of retrying.
     non_retryable: tuple[type[BaseException], ...] = ()
     is_async: bool = field(init=False)
@@ -75,7 +90,7 @@ class TaskDefinition(Generic[PayloadT, ResultT]):
         is_async = inspect.iscoroutinefunction(self.handler) or inspect.iscoroutinefunction(call)
         object.__setattr__(self, "is_async", is_async)
 
-    def __call__(self, ctx: TaskContext, payload: PayloadT) -> Any:
+    def __call__(self, ctx: Any, payload: PayloadT) -> Any:
         return self.handler(ctx, payload)
 
     def request(
@@ -153,7 +168,7 @@ class Registry:
         retry: RetryPolicy = DEFAULT_RETRY,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         non_retryable: tuple[type[BaseException], ...] = (),
-    ) -> Callable[[Callable[[TaskContext, PayloadT], Any]], TaskDefinition[PayloadT, Any]]:
+    ) -> HandlerDecorator:
         """Register the decorated ``(ctx, payload)`` function, ``async def`` or plain ``def``.
 
         :param retry: when to retry a failed attempt; frozen per (queue, name, version) in the
@@ -163,10 +178,8 @@ class Registry:
         :param non_retryable: exception types that fail the task at once.
         """
 
-        def register(
-            handler: Callable[[TaskContext, PayloadT], Any],
-        ) -> TaskDefinition[PayloadT, Any]:
-            definition: TaskDefinition[PayloadT, Any] = TaskDefinition(
+        def register(handler: Callable[[Any, Any], Any]) -> TaskDefinition[Any, Any]:
+            definition: TaskDefinition[Any, Any] = TaskDefinition(
                 name=name, version=version, queue=queue, retry=retry,
                 max_attempts=max_attempts, handler=handler, non_retryable=non_retryable,
             )

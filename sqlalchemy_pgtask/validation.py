@@ -18,6 +18,7 @@ from typing import Any, Final
 from sqlalchemy_pgtask.errors import InvalidNameError, InvalidOptionError, PayloadError
 
 __all__ = [
+    "CHECKPOINT_MAX_BYTES",
     "DURATION_MAX_SECONDS",
     "ERROR_MAX_BYTES",
     "HEADERS_MAX_BYTES",
@@ -26,6 +27,8 @@ __all__ = [
     "PAYLOAD_MAX_BYTES",
     "QUEUE_NAME_MAX_BYTES",
     "RESULT_MAX_BYTES",
+    "SIGNAL_MAX_BYTES",
+    "STEP_NAME_MAX_BYTES",
     "TASK_NAME_MAX_BYTES",
     "check_delay",
     "check_idempotency_key",
@@ -34,6 +37,7 @@ __all__ = [
     "check_queue_name",
     "check_run_at",
     "check_seconds",
+    "check_step_name",
     "check_task_name",
     "check_timeout",
     "dump_headers",
@@ -50,6 +54,9 @@ PAYLOAD_MAX_BYTES: Final = 1024 * 1024
 RESULT_MAX_BYTES: Final = 1024 * 1024
 HEADERS_MAX_BYTES: Final = 64 * 1024
 ERROR_MAX_BYTES: Final = 256 * 1024
+CHECKPOINT_MAX_BYTES: Final = 1024 * 1024
+SIGNAL_MAX_BYTES: Final = 1024 * 1024
+STEP_NAME_MAX_BYTES: Final = 255
 
 #: PostgreSQL ``integer`` and ``smallint`` bounds, so an out-of-range option is our error and
 #: not a driver overflow in the middle of the caller's transaction.
@@ -106,6 +113,15 @@ def check_task_name(value: object, field: str = "name") -> str:
 
 def check_idempotency_key(value: object, field: str = "idempotency_key") -> str:
     """Idempotency keys are free text (they often embed application ids) but bounded."""
+    return _check_free_text(field, value, IDEMPOTENCY_KEY_MAX_BYTES)
+
+
+def check_step_name(value: object, field: str = "step") -> str:
+    """Step names are free text (``f"charge-{order_id}"``) but bounded, like keys."""
+    return _check_free_text(field, value, STEP_NAME_MAX_BYTES)
+
+
+def _check_free_text(field: str, value: object, max_bytes: int) -> str:
     if not isinstance(value, str):
         raise InvalidNameError(field, f"must be a str, got {type(value).__name__}")
     if not value:
@@ -120,10 +136,8 @@ def check_idempotency_key(value: object, field: str = "idempotency_key") -> str:
             field, f"is not valid UTF-8 (unpaired surrogate at index {exc.start})"
         ) from exc
     size = len(value.encode("utf-8"))
-    if size > IDEMPOTENCY_KEY_MAX_BYTES:
-        raise InvalidNameError(
-            field, f"is {size} bytes long; the limit is {IDEMPOTENCY_KEY_MAX_BYTES}"
-        )
+    if size > max_bytes:
+        raise InvalidNameError(field, f"is {size} bytes long; the limit is {max_bytes}")
     return value
 
 

@@ -15,6 +15,7 @@ fencing rules.
 from __future__ import annotations
 
 from sqlalchemy_pgtask.models._base import SCHEMA, Base, metadata
+from sqlalchemy_pgtask.models._durable import Checkpoint, Signal, Wait
 from sqlalchemy_pgtask.models._queues import CapacityRelease, IdempotencyKey, Queue
 from sqlalchemy_pgtask.models._tasks import Attempt, Task
 from sqlalchemy_pgtask.models._workers import HandlerPolicy, WorkerCapability, WorkerRecord
@@ -29,10 +30,13 @@ __all__ = [
     "Attempt",
     "Base",
     "CapacityRelease",
+    "Checkpoint",
     "HandlerPolicy",
     "IdempotencyKey",
     "Queue",
+    "Signal",
     "Task",
+    "Wait",
     "WorkerCapability",
     "WorkerRecord",
     "metadata",

@@ -153,6 +153,9 @@ class Task(Base):
     parent_id: Mapped[uuid.UUID | None] = mapped_column(
         ForeignKey("pgtask.tasks.id", ondelete="SET NULL")
     )
+    #: Set when the task spawns its first child: only then does finishing it look for
+    #: descendants to cancel (a plain task pays nothing for cascading cancellation).
+    has_children: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
     retry_kind: Mapped[str | None] = mapped_column(Text)
     retry_base_seconds: Mapped[float | None] = mapped_column(Double)
     retry_factor: Mapped[float | None] = mapped_column(Double)

@@ -8,12 +8,14 @@ more than a few parameters come with a typed builder of exactly those parameters
 
 By responsibility: `enqueue` (adding tasks), `claim` (claims and the next due time), `lease`
 (renewals, outcomes, recovery), `workers` (registration, heartbeats, policies, pruning),
-`admin` (cancellation, checks).
+`steps` (checkpoints, sleeps, children), `waits` (signals, child-result waits, their
+timeouts), `admin` (cancellation, checks).
 """
 
 from __future__ import annotations
 
 from sqlalchemy_pgtask.statements._common import NOW, Lease
+from sqlalchemy_pgtask.statements._fence import DurableParams, durable_params
 from sqlalchemy_pgtask.statements.admin import CANCEL, SCHEMA_INSTALLED
 from sqlalchemy_pgtask.statements.claim import (
     CLAIM,
@@ -53,6 +55,23 @@ from sqlalchemy_pgtask.statements.lease import (
     release_params,
     renew_params,
 )
+from sqlalchemy_pgtask.statements.steps import (
+    CHECKPOINT,
+    CHECKPOINTS,
+    FENCE_STATE,
+    SAVE_CHECKPOINT,
+    SLEEP,
+    SPAWN,
+)
+from sqlalchemy_pgtask.statements.waits import (
+    EMIT_SIGNAL,
+    LOCK_CHILD,
+    LOCK_FOR_WAIT,
+    NEXT_WAIT_TIMEOUT,
+    REGISTER_RESULT_WAIT,
+    REGISTER_SIGNAL_WAIT,
+    WAIT_TIMEOUTS,
+)
 from sqlalchemy_pgtask.statements.workers import (
     ADD_CAPABILITIES,
     CLEAR_CAPABILITIES,
@@ -74,36 +93,50 @@ from sqlalchemy_pgtask.statements.workers import (
 __all__ = [
     "ADD_CAPABILITIES",
     "CANCEL",
+    "CHECKPOINT",
+    "CHECKPOINTS",
     "CLAIM",
     "CLAIMED_COLUMNS",
     "CLEAR_CAPABILITIES",
     "COMPLETE",
     "DEFAULT_IDEMPOTENCY_RETENTION_SECONDS",
+    "EMIT_SIGNAL",
     "ENQUEUE_BATCH",
     "ENQUEUE_BATCH_IDEMPOTENT",
     "ENQUEUE_ONE",
     "ENQUEUE_UNIFORM",
     "FAIL",
+    "FENCE_STATE",
     "HEARTBEAT",
     "LEASES",
+    "LOCK_CHILD",
+    "LOCK_FOR_WAIT",
+    "NEXT_WAIT_TIMEOUT",
     "NOW",
     "OWNED",
     "POLICY_COLUMNS",
     "PRUNE_WORKERS",
     "RECOVER",
     "REGISTER_POLICIES",
+    "REGISTER_RESULT_WAIT",
+    "REGISTER_SIGNAL_WAIT",
     "REGISTER_WORKER",
     "RELEASE",
     "RENEW",
     "RETIRE_WORKER",
+    "SAVE_CHECKPOINT",
     "SCHEMA_INSTALLED",
     "SECONDS_UNTIL_DUE",
+    "SLEEP",
+    "SPAWN",
     "STORED_POLICIES",
     "TAKE_OVER_KEYS",
+    "WAIT_TIMEOUTS",
     "Capability",
     "CapabilityParams",
     "ClaimParams",
     "CompleteParams",
+    "DurableParams",
     "FailParams",
     "FenceParams",
     "HeartbeatParams",
@@ -116,6 +149,7 @@ __all__ = [
     "capability_params",
     "claim_params",
     "complete_params",
+    "durable_params",
     "fail_params",
     "fence_params",
     "identity_params",

@@ -13,24 +13,30 @@ from sqlalchemy import (
     ColumnElement,
     Table,
     TableValuedAlias,
+    Text,
     bindparam,
     cast,
     column,
     func,
     literal_column,
+    select,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, TIMESTAMP, UUID
 from sqlalchemy.types import TypeEngine
 
 from sqlalchemy_pgtask.models import (
     Attempt,
+    Checkpoint,
     HandlerPolicy,
     IdempotencyKey,
     Queue,
+    Signal,
     Task,
+    Wait,
     WorkerCapability,
     WorkerRecord,
 )
+from sqlalchemy_pgtask.states import RUNNING
 
 __all__ = [
     "CANCELLED_ERROR",
@@ -41,11 +47,15 @@ __all__ = [
     "arrays",
     "attempts",
     "capabilities",
+    "checkpoints",
     "keys",
     "policies",
     "queues",
+    "running_state",
     "seconds",
+    "signals",
     "tasks",
+    "waits",
     "workers",
 ]
 
@@ -57,6 +67,9 @@ queues = typing.cast(Table, Queue.__table__)
 workers = typing.cast(Table, WorkerRecord.__table__)
 capabilities = typing.cast(Table, WorkerCapability.__table__)
 policies = typing.cast(Table, HandlerPolicy.__table__)
+checkpoints = typing.cast(Table, Checkpoint.__table__)
+signals = typing.cast(Table, Signal.__table__)
+waits = typing.cast(Table, Wait.__table__)
 
 TSTZ: Final = TIMESTAMP(timezone=True)
 UUID_T: Final = UUID(as_uuid=True)
@@ -94,3 +107,14 @@ def arrays(
         .table_valued(*(column(col, type_) for _, col, type_ in columns))
         .render_derived(name)
     )
+
+
+def running_state() -> ColumnElement[Any]:
+    """``'running'`` for a fence, as a bound value read through a scalar subquery.
+
+    A literal ``'running'`` would match the partial lease index, and a plan could then walk
+    every running row (and every dead entry not yet vacuumed) instead of probing the primary
+    key; not even a custom plan can match this form to the index predicate. Callers never
+    pass ``running``: its default applies.
+    """
+    return select(bindparam("running", RUNNING, type_=Text)).scalar_subquery()

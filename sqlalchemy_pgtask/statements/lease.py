@@ -49,10 +49,10 @@ from sqlalchemy_pgtask.statements._common import (
     Lease,
     arrays,
     attempts,
+    running_state,
     seconds,
     tasks,
 )
-from sqlalchemy_pgtask.states import RUNNING
 
 __all__ = [
     "COMPLETE",
@@ -164,7 +164,7 @@ def _held(request: TableValuedAlias) -> CTE:
         .select_from(tasks.join(request, tasks.c.id == request.c.id))
         .where(
             tasks.c.id == any_(_ids()),
-            tasks.c.state == select(bindparam("running", RUNNING, type_=Text)).scalar_subquery(),
+            tasks.c.state == running_state(),
             tasks.c.attempt == request.c.attempt,
             tasks.c.lease_token == request.c.token,
         )

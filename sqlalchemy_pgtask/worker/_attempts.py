@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy_pgtask.context import TaskContext
+from sqlalchemy_pgtask.context import BaseTaskContext
 from sqlalchemy_pgtask.registry import TaskDefinition
 from sqlalchemy_pgtask.retry import RetryPolicy
 from sqlalchemy_pgtask.statements import Lease
@@ -27,7 +27,7 @@ __all__ = ["ActiveAttempt", "AttemptBook"]
 class ActiveAttempt:
     """One claimed attempt."""
 
-    ctx: TaskContext
+    ctx: BaseTaskContext
     definition: TaskDefinition[Any, Any]
     payload: Any
     lease: Lease
@@ -41,6 +41,9 @@ class ActiveAttempt:
     settled: bool = False
     #: The worker cancelled the handler's coroutine itself.
     stopped_by_worker: bool = False
+    #: A durable call suspended the task (sleep, wait): the lease is already released and
+    #: nothing is written for this attempt.
+    suspended: bool = False
 
     @property
     def task_id(self) -> uuid.UUID:
@@ -78,6 +81,13 @@ class AttemptBook:
     def forget(self, attempt: ActiveAttempt) -> None:
         """The outcome is written (or cannot be): stop renewing the lease."""
         self.settle(attempt)
+        if self.active.get(attempt.task_id) is attempt:
+            del self.active[attempt.task_id]
+            self.changed.set()
+
+    def stop_renewing(self, attempt: ActiveAttempt) -> None:
+        """The lease was released by a suspension: stop renewing it; the slot stays taken
+        until the handler has unwound (`settle`)."""
         if self.active.get(attempt.task_id) is attempt:
             del self.active[attempt.task_id]
             self.changed.set()

@@ -20,13 +20,15 @@ from typing import Any, Protocol
 
 from sqlalchemy import Row
 
-from sqlalchemy_pgtask.context import StopReason, TaskContext
+from sqlalchemy_pgtask.context import StopReason, SyncTaskContext, TaskContext
 from sqlalchemy_pgtask.control import TaskCancelled
 from sqlalchemy_pgtask.outcome import Outcome, decide, one_line
 from sqlalchemy_pgtask.registry import Registry
 from sqlalchemy_pgtask.retry import RetryPolicy
 from sqlalchemy_pgtask.statements import Lease
 from sqlalchemy_pgtask.worker._attempts import ActiveAttempt, AttemptBook
+from sqlalchemy_pgtask.worker._durable import DurableAttempt
+from sqlalchemy_pgtask.worker._durable_calls import DurableCalls
 
 __all__ = ["Executor", "HandlerThreads", "OutcomeSink"]
 
@@ -115,8 +117,10 @@ class Executor:
         sink: OutcomeSink,
         worker_id: Any,
         lease_seconds: float,
+        durable: DurableCalls,
     ) -> None:
         self._registry = registry
+        self._durable = durable
         self._lease = lease_seconds
         self._book = book
         self._sink = sink
@@ -126,7 +130,8 @@ class Executor:
     def start(self, row: Row[Any], sent: float) -> None:
         definition = self._registry.get(row.queue, row.name, row.version)
         assert definition is not None, "claims are filtered by this registry's capabilities"
-        ctx = TaskContext(
+        context = TaskContext if definition.is_async else SyncTaskContext
+        ctx = context(
             task_id=row.id,
             name=row.name,
             version=row.version,
@@ -145,6 +150,7 @@ class Executor:
             policy=RetryPolicy.from_row(row) or definition.retry,
             lease_sent_at=sent,
         )
+        ctx._durable = DurableAttempt(self._durable, attempt, asyncio.get_running_loop())
         self._book.add(attempt)
         if row.cancel_requested_at is not None:
             ctx.request_stop("cancelled")
@@ -177,7 +183,9 @@ class Executor:
             raised = exc
         outcome: Outcome | None = None
         try:
-            if (
+            if attempt.suspended:
+                pass  # its durable call released the lease; nothing more to write
+            elif (
                 not definition.is_async
                 and attempt.stopped_by_worker
                 and isinstance(raised, asyncio.CancelledError)

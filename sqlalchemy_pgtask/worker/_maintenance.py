@@ -6,8 +6,10 @@ fails is logged and tried again after a backoff, and never stops the other servi
 worker. Nothing here needs a leader: every pass is written to be harmless when several workers
 run it at once (``SKIP LOCKED`` batches).
 
-Services today: `Recovery` (expired leases back to pending) and `WorkerPruning` (rows of
-workers long gone). Schedules and retention plug in the same way.
+Services today: `Recovery` (expired leases back to pending), `WaitTimeouts` (signal and child
+waits past their database deadline) and `WorkerPruning` (rows of workers long gone). Schedules
+and retention plug in the same way. A pass may ask to run again sooner than its interval (the
+next wait falls due), and the worker may ask for a pass soon (it just registered a wait).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask._asyncio import bounded
 from sqlalchemy_pgtask.worker._reconnect import Backoff, HeldConnection, brief, is_transient
 
-__all__ = ["MaintenanceRunner", "MaintenanceService", "Recovery", "WorkerPruning"]
+__all__ = ["MaintenanceRunner", "MaintenanceService", "Recovery", "WaitTimeouts", "WorkerPruning"]
 
 logger = logging.getLogger("sqlalchemy_pgtask.worker")
 
@@ -42,8 +44,11 @@ class MaintenanceService(Protocol):
     #: Seconds between passes (the runner spreads them by +-20%).
     interval: float
 
-    async def run_once(self, connection: AsyncConnection) -> None:
-        """One pass; raise to have it retried after a backoff."""
+    async def run_once(self, connection: AsyncConnection) -> float | None:
+        """One pass; raise to have it retried after a backoff.
+
+        Returns the seconds until it wants to run again if sooner than its interval, or None.
+        """
 
 
 class Recovery:
@@ -55,13 +60,36 @@ class Recovery:
         self.interval = interval
         self._batch = batch_size
 
-    async def run_once(self, connection: AsyncConnection) -> None:
+    async def run_once(self, connection: AsyncConnection) -> float | None:
         for _ in range(MAX_BATCHES_PER_PASS):
             rows = (await connection.execute(statements.RECOVER, {"limit": self._batch})).all()
             if rows:
                 logger.info("recovered %d task(s) with expired leases", len(rows))
             if len(rows) < self._batch:
-                return
+                break
+        return None
+
+
+class WaitTimeouts:
+    """Times out signal and child-result waits whose database deadline has passed."""
+
+    name = "wait timeouts"
+
+    def __init__(self, *, interval: float, batch_size: int) -> None:
+        self.interval = interval
+        self._batch = batch_size
+
+    async def run_once(self, connection: AsyncConnection) -> float | None:
+        for _ in range(MAX_BATCHES_PER_PASS):
+            rows = (
+                await connection.execute(statements.WAIT_TIMEOUTS, {"limit": self._batch})
+            ).all()
+            if rows:
+                logger.info("%d wait(s) timed out", len(rows))
+            if len(rows) < self._batch:
+                break
+        due = (await connection.execute(statements.NEXT_WAIT_TIMEOUT)).scalar()
+        return None if due is None else max(0.0, float(due))
 
 
 class WorkerPruning:
@@ -74,7 +102,7 @@ class WorkerPruning:
         self._retention = retention
         self._batch = batch_size
 
-    async def run_once(self, connection: AsyncConnection) -> None:
+    async def run_once(self, connection: AsyncConnection) -> float | None:
         for _ in range(MAX_BATCHES_PER_PASS):
             rows = (
                 await connection.execute(
@@ -85,7 +113,8 @@ class WorkerPruning:
             if rows:
                 logger.info("pruned %d expired worker row(s)", len(rows))
             if len(rows) < self._batch:
-                return
+                break
+        return None
 
 
 class MaintenanceRunner:
@@ -95,10 +124,21 @@ class MaintenanceRunner:
         self._connection = connection
         self._services = list(services)
         self._wake = asyncio.Event()
+        #: Monotonic times some services were asked to run by (see `run_within`).
+        self._asked: dict[str, float] = {}
+        self._all = False
 
     def wake(self) -> None:
         """Run every service now (the database clock moved, or the listener reconnected)."""
+        self._all = True
         self._wake.set()
+
+    def run_within(self, name: str, seconds: float) -> None:
+        """Run the service called ``name`` within ``seconds`` (sooner if already due)."""
+        at = time.monotonic() + seconds
+        if at < self._asked.get(name, float("inf")):
+            self._asked[name] = at
+            self._wake.set()
 
     async def run(self) -> None:
         now = time.monotonic()
@@ -107,17 +147,23 @@ class MaintenanceRunner:
         while True:
             if self._wake.is_set():
                 self._wake.clear()
-                now = time.monotonic()
-                due = dict.fromkeys(due, now)
+                if self._all:
+                    self._all = False
+                    due = dict.fromkeys(due, time.monotonic())
+                asked, self._asked = self._asked, {}
+                for s in self._services:
+                    if s.name in asked:
+                        due[id(s)] = min(due[id(s)], asked[s.name])
             service = min(self._services, key=lambda s: due[id(s)])
             delay = due[id(service)] - time.monotonic()
             if delay > 0:
                 with contextlib.suppress(TimeoutError):
                     await bounded(self._wake.wait(), delay)
                 continue
+            sooner: float | None = None
             try:
                 async with self._connection.use() as connection:
-                    await service.run_once(connection)
+                    sooner = await service.run_once(connection)
             except Exception as exc:
                 wait = backoffs[id(service)].next()
                 if is_transient(exc):
@@ -127,4 +173,6 @@ class MaintenanceRunner:
             else:
                 backoffs[id(service)].reset()
                 wait = service.interval * random.uniform(0.8, 1.2)  # noqa: S311
+                if sooner is not None:
+                    wait = min(wait, sooner)
             due[id(service)] = time.monotonic() + wait

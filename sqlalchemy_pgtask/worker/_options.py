@@ -72,6 +72,12 @@ class WorkerOptions:
     statement_timeout: float = 60.0
     #: How long a worker row stays after the worker stopped or vanished, for operators' eyes.
     worker_retention: float = 3600.0
+    #: Connections the worker holds for handlers' durable calls (steps, sleeps, waits,
+    #: spawns); each call takes one for a single statement. ``ctx.transaction`` blocks use
+    #: the engine's pool instead.
+    durable_connections: int = 2
+    #: Due wait timeouts handled per statement (up to 16 statements per pass).
+    wait_timeout_batch_size: int = 100
 
     def __post_init__(self) -> None:
         _count("concurrency", self.concurrency, 10_000)
@@ -92,6 +98,8 @@ class WorkerOptions:
             raise InvalidOptionError("heartbeat_interval", "must be shorter than worker_ttl")
         _count("recovery_batch_size", self.recovery_batch_size, 100_000)
         _count("write_batch_size", self.write_batch_size, 100_000)
+        _count("durable_connections", self.durable_connections, 100)
+        _count("wait_timeout_batch_size", self.wait_timeout_batch_size, 100_000)
         if self.queues is not None:
             if isinstance(self.queues, str) or not isinstance(self.queues, tuple):
                 raise InvalidOptionError("queues", "must be a tuple of queue names")

@@ -32,14 +32,21 @@ from sqlalchemy_pgtask.registry import Registry
 from sqlalchemy_pgtask.statements import Capability
 from sqlalchemy_pgtask.worker._attempts import AttemptBook
 from sqlalchemy_pgtask.worker._completer import Completer
+from sqlalchemy_pgtask.worker._durable_calls import DurableCalls
 from sqlalchemy_pgtask.worker._executor import Executor
 from sqlalchemy_pgtask.worker._leases import LeaseKeeper
 from sqlalchemy_pgtask.worker._listener import Listener
-from sqlalchemy_pgtask.worker._maintenance import MaintenanceRunner, Recovery, WorkerPruning
+from sqlalchemy_pgtask.worker._maintenance import (
+    MaintenanceRunner,
+    Recovery,
+    WaitTimeouts,
+    WorkerPruning,
+)
 from sqlalchemy_pgtask.worker._options import WorkerOptions
 from sqlalchemy_pgtask.worker._producer import Producer
 from sqlalchemy_pgtask.worker._reconnect import HeldConnection
 from sqlalchemy_pgtask.worker._registration import Registration
+from sqlalchemy_pgtask.worker._transactions import TransactionEngines
 
 __all__ = ["Worker"]
 
@@ -59,7 +66,8 @@ class Worker:
         await worker.run()  # until worker.shutdown(); `sqlalchemy_pgtask.worker.run` adds signals
 
     ``database`` is a URL (the worker makes and disposes its own engine) or an `AsyncEngine`
-    (shared: the worker holds up to five of its connections while it runs).
+    (shared: the worker holds up to five of its connections while it runs, plus
+    ``durable_connections``, plus one per open ``ctx.transaction`` block).
     """
 
     def __init__(
@@ -93,8 +101,8 @@ class Worker:
         else:
             self._engine = create_async_engine(
                 make_url(database).set(drivername="postgresql+psycopg"),
-                pool_size=6,
-                max_overflow=4,
+                pool_size=10,
+                max_overflow=10,
                 # Errors are logged; statement parameters carry task payloads and results.
                 hide_parameters=True,
             )
@@ -120,13 +128,20 @@ class Worker:
         self._stopping = asyncio.Event()
         self._immediate = asyncio.Event()
         self._ready = asyncio.Event()
+        self._durable = DurableCalls(
+            book=self._book,
+            engines=TransactionEngines(self._engine),
+            make_connection=held,
+            size=options.durable_connections,
+            on_wait=lambda seconds: self._maintenance.run_within(WaitTimeouts.name, seconds),
+        )
         self._completer = Completer(
             connection=self._connections["write"], book=self._book,
             batch_size=options.write_batch_size,
         )
         self._executor = Executor(
             registry=registry, book=self._book, sink=self._completer, worker_id=self.id,
-            lease_seconds=lease,
+            lease_seconds=lease, durable=self._durable,
         )
         self._leases = LeaseKeeper(
             connection=self._connections["control"], book=self._book, executor=self._executor,
@@ -143,6 +158,10 @@ class Worker:
             self._connections["maintenance"],
             [
                 Recovery(interval=lease / 3, batch_size=options.recovery_batch_size),
+                WaitTimeouts(
+                    interval=min(options.poll_interval, 5.0),
+                    batch_size=options.wait_timeout_batch_size,
+                ),
                 WorkerPruning(
                     interval=max(options.worker_ttl, 60.0), retention=options.worker_retention
                 ),
@@ -370,6 +389,8 @@ class Worker:
         for connection in self._connections.values():
             with contextlib.suppress(Exception):  # a silent network must not hang the exit
                 await bounded(connection.close(), _STEP_TIMEOUT)
+        with contextlib.suppress(Exception):
+            await bounded(self._durable.close(), _STEP_TIMEOUT)
         self._executor.close()
         if self._owns_engine:
             with contextlib.suppress(Exception):

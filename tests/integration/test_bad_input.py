@@ -30,8 +30,8 @@ from sqlalchemy_pgtask import (
     Registry,
     Retry,
     RetryPolicy,
+    SyncTaskContext,
     Task,
-    TaskContext,
     ValidationError,
     configure_queue,
     enqueue,
@@ -63,7 +63,7 @@ def over_only_as_jsonb(number: float, limit: int, wrap: Callable[[str], Any]) ->
     return value
 
 
-def handler(ctx: TaskContext, payload: Any) -> None:
+def handler(ctx: SyncTaskContext, payload: Any) -> None:
     """A handler to register."""
 
 

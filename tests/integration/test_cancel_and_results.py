@@ -24,8 +24,10 @@ from sqlalchemy.orm import Session
 
 from sqlalchemy_pgtask import (
     Attempt,
+    BaseTaskContext,
     InvalidOptionError,
     Registry,
+    SyncTaskContext,
     Task,
     TaskContext,
     TaskNotFound,
@@ -76,7 +78,7 @@ class RenewalWatch:
     """
 
     def __init__(self, engine: AsyncEngine) -> None:
-        self.handler: TaskContext | None = None
+        self.handler: BaseTaskContext | None = None
         self.seen: list[bool] = []
         self._watching = False
         event.listen(engine.sync_engine, "before_cursor_execute", self._on_execute)
@@ -197,7 +199,7 @@ async def test_cancelling_a_running_sync_handler_sets_ctx_cancelled_and_check_ra
     renewals = RenewalWatch(pgtask_async_engine)
 
     @registry.task("long-sync")
-    def long_sync(ctx: TaskContext, payload: None) -> str:
+    def long_sync(ctx: SyncTaskContext, payload: None) -> str:
         renewals.handler = ctx
         started.set()
         deadline = time.monotonic() + 2 * PATIENCE
@@ -226,7 +228,7 @@ async def test_a_success_returned_after_the_cancel_request_is_not_recorded(
     started, go = threading.Event(), threading.Event()
 
     @registry.task("stubborn")
-    def stubborn(ctx: TaskContext, payload: None) -> dict[str, bool]:
+    def stubborn(ctx: SyncTaskContext, payload: None) -> dict[str, bool]:
         started.set()
         go.wait(timeout=10)  # ignores ctx entirely
         return {"done": True}

@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import Engine, Identity, Text, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from sqlalchemy_pgtask import EnqueueResult, Registry, Task, TaskContext
+from sqlalchemy_pgtask import EnqueueResult, Registry, SyncTaskContext, Task, TaskContext
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 ORDERS = 4
@@ -79,7 +79,7 @@ def test_an_unflushed_id_is_none_even_after_enqueue_which_is_why_the_quickstart_
     registry = Registry()
 
     @registry.task("send-receipt")
-    def send_receipt(ctx: TaskContext, payload: dict[str, str]) -> None:
+    def send_receipt(ctx: SyncTaskContext, payload: dict[str, str]) -> None:
         """Never runs here."""
 
     with Session(app_engine) as session:

@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy_pgtask import (
     Registry,
     RetryPolicy,
+    SyncTaskContext,
     TaskContext,
     Worker,
     WorkerCrashed,
@@ -164,7 +165,7 @@ async def test_a_handler_raising_cancelled_error_itself_is_a_failure_retried_by_
     else:
 
         @registry.task("gives-up", retry=retry, max_attempts=2)
-        def gives_up_sync(ctx: TaskContext, payload: None) -> str:
+        def gives_up_sync(ctx: SyncTaskContext, payload: None) -> str:
             if ctx.attempt == 1:
                 raise asyncio.CancelledError("the handler gave up on its own")
             return "second time lucky"

@@ -34,6 +34,7 @@ from sqlalchemy_pgtask import (
     Registry,
     Retry,
     RetryPolicy,
+    SyncTaskContext,
     Task,
     TaskContext,
     Worker,
@@ -112,7 +113,7 @@ async def test_async_and_sync_handlers_succeed_and_store_their_results(
         return {"double": payload["n"] * 2}
 
     @registry.task("shout", queue="sync-queue")
-    def shout(ctx: TaskContext, payload: str) -> list[str]:
+    def shout(ctx: SyncTaskContext, payload: str) -> list[str]:
         seen["sync"] = ctx
         # The claim committed before this handler started: another connection sees it.
         with pgtask_engine.connect() as conn:
@@ -239,7 +240,7 @@ async def test_fail_and_non_retryable_exceptions_fail_at_once(
         raise Fail("the order was deleted")
 
     @registry.task("strict", retry=NO_JITTER, max_attempts=5, non_retryable=(BadInput,))
-    def strict(ctx: TaskContext, payload: None) -> None:
+    def strict(ctx: SyncTaskContext, payload: None) -> None:
         raise BadInput("malformed payload")
 
     fail_id = await add(pgtask_async_engine, "gives-up", max_attempts=5)
@@ -388,7 +389,7 @@ async def test_an_error_message_with_nul_and_lone_surrogates_is_stored(
     registry = Registry()
 
     @registry.task("binary", retry=RetryPolicy.never())
-    def binary(ctx: TaskContext, payload: None) -> None:
+    def binary(ctx: SyncTaskContext, payload: None) -> None:
         raise ValueError("nul\x00 and half a pair \udc80 and " + "\x00" * 2_000_000)
 
     task_id = await add(pgtask_async_engine, "binary")
@@ -470,7 +471,7 @@ async def test_a_crashing_handler_does_not_disturb_handlers_running_beside_it(
         return "async survived"
 
     @registry.task("steady-sync")
-    def steady_sync(ctx: TaskContext, payload: None) -> str:
+    def steady_sync(ctx: SyncTaskContext, payload: None) -> str:
         sync_started.set()
         if not sync_release.wait(timeout=20) or ctx.cancelled:
             disturbed.append(f"sync: {ctx.stop_reason}")
@@ -481,11 +482,11 @@ async def test_a_crashing_handler_does_not_disturb_handlers_running_beside_it(
         raise SystemExit(3)
 
     @registry.task("exits-in-thread", retry=RetryPolicy.never())
-    def exits_in_thread(ctx: TaskContext, payload: None) -> None:
+    def exits_in_thread(ctx: SyncTaskContext, payload: None) -> None:
         raise SystemExit(4)
 
     @registry.task("raises-in-thread", retry=RetryPolicy.never())
-    def raises_in_thread(ctx: TaskContext, payload: None) -> None:
+    def raises_in_thread(ctx: SyncTaskContext, payload: None) -> None:
         raise RuntimeError("sync handler blew up")
 
     options = WorkerOptions(lease_duration=LEASE, concurrency=8, shutdown_grace=5.0)
@@ -742,7 +743,7 @@ async def test_a_sync_handler_whose_lease_was_taken_sees_it_and_its_result_is_di
     observed: dict[str, Any] = {}
 
     @registry.task("sync-victim")
-    def sync_victim(ctx: TaskContext, payload: None) -> dict[str, bool]:
+    def sync_victim(ctx: SyncTaskContext, payload: None) -> dict[str, bool]:
         started.set()
         deadline = time.monotonic() + 10
         while not ctx.cancelled and time.monotonic() < deadline:
@@ -900,7 +901,7 @@ async def test_shutdown_hands_back_a_task_that_outlives_the_grace_period(
             return "too late"
     else:
         @registry.task("slow")
-        def slow_sync(ctx: TaskContext, payload: None) -> str:
+        def slow_sync(ctx: SyncTaskContext, payload: None) -> str:
             started.set()
             unblock.wait(timeout=30)
             finally_ran.set()

@@ -50,6 +50,7 @@ def test_wheel_ships_the_alembic_template_the_revisions_and_py_typed(wheel: Path
         "sqlalchemy_pgtask/migrations/env.py",
         "sqlalchemy_pgtask/migrations/versions/pgtask_0001_initial.py",
         "sqlalchemy_pgtask/migrations/versions/pgtask_0002_runtime_v2.py",
+        "sqlalchemy_pgtask/migrations/versions/pgtask_0003_durable.py",
     } <= names
     assert not [name for name in names if "__pycache__" in name or name.endswith(".pyc")]
 

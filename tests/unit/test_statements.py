@@ -38,6 +38,31 @@ WORKER_STATEMENTS = {
     "PRUNE_WORKERS": statements.PRUNE_WORKERS,
     "LEASES": statements.LEASES,
     "OWNED": statements.OWNED,
+    # Durable calls and their maintenance.
+    "CHECKPOINTS": statements.CHECKPOINTS,
+    "CHECKPOINT": statements.CHECKPOINT,
+    "FENCE_STATE": statements.FENCE_STATE,
+    "SAVE_CHECKPOINT": statements.SAVE_CHECKPOINT,
+    "SLEEP": statements.SLEEP,
+    "SPAWN": statements.SPAWN,
+    "LOCK_FOR_WAIT": statements.LOCK_FOR_WAIT,
+    "REGISTER_SIGNAL_WAIT": statements.REGISTER_SIGNAL_WAIT,
+    "LOCK_CHILD": statements.LOCK_CHILD,
+    "REGISTER_RESULT_WAIT": statements.REGISTER_RESULT_WAIT,
+    "WAIT_TIMEOUTS": statements.WAIT_TIMEOUTS,
+    "NEXT_WAIT_TIMEOUT": statements.NEXT_WAIT_TIMEOUT,
+    "EMIT_SIGNAL": statements.EMIT_SIGNAL,
+}
+#: The durable statements that are fenced by an attempt's lease, and what else they bind.
+DURABLE_FENCED = {
+    "SAVE_CHECKPOINT": {"kind", "value"},
+    "SLEEP": {"delay", "wake_at"},
+    "SPAWN": {
+        "child_id", "child_queue", "child_name", "child_version", "child_payload",
+        "child_headers", "child_priority", "child_max_attempts", "child_run_at", "child_delay",
+    },
+    "REGISTER_SIGNAL_WAIT": {"signal", "signal_occurrence", "timeout"},
+    "REGISTER_RESULT_WAIT": {"child_id", "timeout"},
 }
 FENCED = ("RENEW", "COMPLETE", "FAIL", "RELEASE")
 LEASES = [statements.Lease(uuid.uuid4(), 1, uuid.uuid4())]
@@ -155,6 +180,42 @@ def test_each_builder_makes_exactly_the_parameters_its_statement_binds(name: str
     assert set(BUILT[name]) == set(required_parameters(name))
 
 
+@pytest.mark.parametrize("name", sorted(WORKER_STATEMENTS))
+def test_no_parameter_is_named_like_a_column_an_update_would_then_set(name: str) -> None:
+    # SQLAlchemy adds a bound parameter named like a column of an UPDATE's table to that
+    # UPDATE's SET list (even inside a CTE): a "version" parameter would rewrite the task's.
+    statement = WORKER_STATEMENTS[name]
+    keys = list(required_parameters(name))
+    assert statement.compile(dialect=DIALECT, column_keys=keys).string == compiled(name).string
+
+
+@pytest.mark.parametrize("name", sorted(DURABLE_FENCED))
+def test_durable_writes_bind_the_fence_the_step_key_and_their_own_values(name: str) -> None:
+    lease = statements.Lease(uuid.uuid4(), 2, uuid.uuid4())
+    fence = set(statements.durable_params(lease, 1, "step", 0))
+    assert set(required_parameters(name)) == fence | DURABLE_FENCED[name]
+
+
+@pytest.mark.parametrize("name", ["SAVE_CHECKPOINT", "SLEEP", "SPAWN", "LOCK_FOR_WAIT"])
+def test_durable_writes_lock_the_task_row_they_are_fenced_on(name: str) -> None:
+    text = sql(name)
+    where = (
+        "pgtask.tasks.id = %(task)s::UUID AND pgtask.tasks.state = (SELECT %(running)s"
+    )
+    assert where in text
+    fence = (
+        "pgtask.tasks.attempt = %(attempt_number)s::INTEGER AND "
+        "pgtask.tasks.lease_token = %(token)s::UUID"
+    )
+    assert fence in text
+    mode = {
+        "SAVE_CHECKPOINT": "FOR SHARE", "SLEEP": "FOR NO KEY UPDATE",
+        "SPAWN": "FOR NO KEY UPDATE", "LOCK_FOR_WAIT": "FOR UPDATE OF tasks",
+    }[name]
+    assert mode in text
+    assert "SKIP LOCKED" not in text
+
+
 # -- fenced transitions --------------------------------------------------------------------
 
 
@@ -241,10 +302,17 @@ def test_recover_finds_expired_leases_by_database_time_and_skips_locked_rows() -
 # -- database time only --------------------------------------------------------------------
 
 
+#: Instants a handler chose itself (``sleep_until(when)``, a child's ``run_at``): the user's
+#: own deadlines, compared with database time, never a reading of the worker's clock.
+CHOSEN_INSTANTS = {("SLEEP", "wake_at"), ("SPAWN", "child_run_at")}
+
+
 @pytest.mark.parametrize("name", sorted(WORKER_STATEMENTS))
 def test_worker_statements_take_no_time_from_the_client(name: str) -> None:
     parameters = required_parameters(name)
     for key, type_ in parameters.items():
+        if (name, key) in CHOSEN_INSTANTS:
+            continue
         assert not isinstance(type_, DateTime), f"{name} binds a client time as {key!r}"
         assert not key.endswith("_at"), f"{name} binds {key!r}"
         assert "now" not in key

@@ -1,0 +1,209 @@
+"""statements.steps: checkpoints, durable sleep and child spawning; no I/O.
+
+Every write a durable call of a running handler makes is fenced like an outcome: it matches
+the task id, the running state, the attempt number and the lease token, and locks the task row
+so the lease cannot change before the write commits. A checkpoint's key is (task, handler
+version, step, occurrence); the first committed value wins and is never changed. A sleep ends
+the attempt as ``suspended`` in the statement that records it: the lease is cleared, so the
+worker's slot is free at once, and a suspension never counts as a failed attempt.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from sqlalchemy import (
+    Double,
+    Integer,
+    Select,
+    SmallInteger,
+    Text,
+    cast,
+    func,
+    select,
+    true,
+    update,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from sqlalchemy_pgtask.statements._common import (
+    NOW,
+    TSTZ,
+    UUID_T,
+    checkpoints,
+    seconds,
+    tasks,
+)
+from sqlalchemy_pgtask.statements._fence import (
+    CHECKPOINT_KEY,
+    KEEP_FIRST,
+    bind,
+    const,
+    fenced,
+    has_rows,
+    is_key,
+    key_binds,
+    suspend,
+    task_bind,
+)
+
+__all__ = ["CHECKPOINT", "CHECKPOINTS", "FENCE_STATE", "SAVE_CHECKPOINT", "SLEEP", "SPAWN"]
+
+
+# -- checkpoints ---------------------------------------------------------------------------
+
+#: Every checkpoint of one task's handler version, read once when an attempt replays.
+#: Locks nothing; served by the primary key. Binds ``task``, ``handler_version``. Returns
+#: ``(step, occurrence, kind, value)``.
+CHECKPOINTS: Final = select(
+    checkpoints.c.step, checkpoints.c.occurrence, checkpoints.c.kind, checkpoints.c.value
+).where(
+    checkpoints.c.task_id == task_bind(),
+    checkpoints.c.version == bind("handler_version", Integer),
+)
+
+#: One checkpoint's kind and value, or no row. Locks nothing. Binds the key of `DurableParams`.
+CHECKPOINT: Final = select(checkpoints.c.kind, checkpoints.c.value).where(is_key())
+
+#: The lease state of one task, read when a fenced durable write matched nothing: this attempt
+#: lost its lease, or (for suspending calls) its cancellation was requested. Locks nothing.
+#: Binds ``task``; returns ``(state, attempt, lease_token, cancel)``.
+FENCE_STATE: Final = select(
+    tasks.c.state,
+    tasks.c.attempt,
+    tasks.c.lease_token,
+    tasks.c.cancel_requested_at.is_not(None).label("cancel"),
+).where(tasks.c.id == task_bind())
+
+
+def _save_checkpoint() -> Select[Any]:
+    fence = fenced(tasks.c.id).with_for_update(read=True).cte("fence")
+    saved = (
+        pg_insert(checkpoints)
+        .from_select(
+            [*CHECKPOINT_KEY, "kind", "value"],
+            select(
+                fence.c.id, *key_binds()[1:], bind("kind", Text), cast(bind("value", Text), JSONB)
+            ),
+        )
+        .on_conflict_do_nothing(index_elements=list(CHECKPOINT_KEY))
+        .returning(checkpoints.c.task_id)
+        .cte("saved")
+    )
+    return select(has_rows(fence).label("held"), has_rows(saved).label("saved"))
+
+
+#: Stores a checkpoint (``kind``, ``value`` as JSON text) if this attempt still holds its lease
+#: and the key is free. Locks the task row ``FOR SHARE`` until commit, so the lease cannot be
+#: taken over before the write commits. Returns ``(held, saved)``: ``saved`` false with
+#: ``held`` true means the key already had a value, which `CHECKPOINT` then reads (the first
+#: committed value wins). Binds `DurableParams` plus ``kind`` and ``value``.
+SAVE_CHECKPOINT: Final = _save_checkpoint()
+
+
+# -- sleep ---------------------------------------------------------------------------------
+
+
+def _sleep() -> Select[Any]:
+    wake = func.coalesce(bind("wake_at", TSTZ), NOW + seconds(bind("delay", Double)))
+    fence = (
+        fenced(tasks.c.id, wake.label("wake_at"))
+        .where(tasks.c.cancel_requested_at.is_(None))
+        .with_for_update(key_share=True)
+        .cte("fence")
+    )
+    stored = (
+        pg_insert(checkpoints)
+        .from_select(
+            [*CHECKPOINT_KEY, "kind", "value"],
+            select(
+                fence.c.id, *key_binds()[1:], const("sleep"),
+                func.jsonb_build_object(const("wake_at"), fence.c.wake_at),
+            ),
+        )
+        .on_conflict_do_update(**KEEP_FIRST)
+        .returning(cast(checkpoints.c.value.op("->>")(const("wake_at")), TSTZ).label("wake_at"))
+        .cte("stored")
+    )
+    wake_at = select(stored.c.wake_at).scalar_subquery()
+    moved, recorded = suspend(fence, "pending", wake_at > NOW, run_at=wake_at)
+    return select(
+        has_rows(fence).label("held"), wake_at.label("wake_at"), has_rows(moved).label("suspended")
+    ).add_cte(recorded)
+
+
+#: A durable sleep until ``wake_at`` (a timestamp) or ``delay`` seconds of database time from
+#: now (bind the other as None). Fenced; locks the task row (not when its cancellation was
+#: requested: then nothing is written). Stores the wake time as the step's checkpoint (an
+#: existing one wins) and, if it lies in the future, suspends the attempt: the task is pending
+#: again at the wake time. Returns ``(held, wake_at, suspended)``. Binds `DurableParams`,
+#: ``wake_at``, ``delay``.
+SLEEP: Final = _sleep()
+
+
+# -- children ------------------------------------------------------------------------------
+
+
+def _spawn() -> Select[Any]:
+    fence = fenced(tasks.c.id).with_for_update(key_share=True).cte("fence")
+    earlier = select(checkpoints.c.value).where(is_key()).cte("earlier")
+    child = (
+        pg_insert(tasks)
+        .from_select(
+            ["id", "queue", "name", "version", "payload", "headers", "priority",
+             "max_attempts", "run_at", "parent_id"],
+            select(
+                bind("child_id", UUID_T),
+                bind("child_queue", Text),
+                bind("child_name", Text),
+                bind("child_version", Integer),
+                cast(bind("child_payload", Text), JSONB),
+                cast(bind("child_headers", Text), JSONB),
+                bind("child_priority", SmallInteger),
+                bind("child_max_attempts", Integer),
+                func.coalesce(
+                    bind("child_run_at", TSTZ), NOW + seconds(bind("child_delay", Double))
+                ),
+                fence.c.id,
+            ).where(~has_rows(earlier)),
+        )
+        .returning(tasks.c.id)
+        .cte("child")
+    )
+    adopted = (
+        pg_insert(checkpoints)
+        .from_select(
+            [*CHECKPOINT_KEY, "kind", "value"],
+            select(
+                *key_binds(), const("spawn"),
+                func.jsonb_build_object(const("task_id"), child.c.id),
+            ),
+        )
+        .returning(checkpoints.c.task_id)
+        .cte("adopted")
+    )
+    marked = (
+        update(tasks)
+        .where(tasks.c.id == task_bind(), has_rows(child), tasks.c.has_children.is_not(true()))
+        .values(has_children=true())
+        .cte("marked")
+    )
+    earlier_id = select(
+        cast(earlier.c.value.op("->>")(const("task_id")), UUID_T)
+    ).scalar_subquery()
+    return select(
+        has_rows(fence).label("held"),
+        func.coalesce(earlier_id, select(child.c.id).scalar_subquery()).label("child_id"),
+        has_rows(adopted).label("created"),
+    ).add_cte(marked)
+
+
+#: Creates a child task of this attempt's task, exactly once per step key: fenced (locks the
+#: parent row); if the step's checkpoint exists, returns the child it recorded; otherwise
+#: inserts the child (``parent_id`` set; the queue's capacity applies) and its checkpoint
+#: ``{"task_id": child}`` together, and marks the parent as having children. Returns ``(held,
+#: child_id, created)``. Binds `DurableParams` plus the child's ``child_id``, ``queue``,
+#: ``name``, ``child_version``, ``payload``, ``headers``, ``priority``, ``max_attempts``,
+#: ``run_at``, ``delay``, each prefixed ``child_``.
+SPAWN: Final = _spawn()

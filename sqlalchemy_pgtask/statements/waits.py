@@ -1,0 +1,324 @@
+"""statements.waits: signals, child-result waits and their timeouts; no I/O.
+
+A wait is registered in one transaction that first locks the waiting task row (`LOCK_FOR_WAIT`)
+and then, with a fresh snapshot, either finds what it waits for (and checkpoints it) or stores
+the wait and suspends the attempt. Whatever resolves a wait (a signal's trigger, a child's end,
+the timeout pass) locks the task row first too, so the two never miss each other.
+
+Lock order: a change of a waiting task locks the task row before it reads or deletes the
+task's wait; a parent is locked before its child. The triggers of migration ``pgtask_0003``
+follow the same order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from sqlalchemy import (
+    CTE,
+    ColumnElement,
+    Double,
+    Integer,
+    Select,
+    Text,
+    case,
+    cast,
+    exists,
+    func,
+    literal_column,
+    select,
+    true,
+    update,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from sqlalchemy_pgtask.statements._common import (
+    NOW,
+    UUID_T,
+    checkpoints,
+    seconds,
+    signals,
+    tasks,
+    waits,
+)
+from sqlalchemy_pgtask.statements._fence import (
+    CHECKPOINT_KEY,
+    KEEP_FIRST,
+    bind,
+    const,
+    fenced,
+    has_rows,
+    key_binds,
+    states,
+    suspend,
+    task_bind,
+)
+from sqlalchemy_pgtask.states import ACTIVE_STATES, TERMINAL_STATES
+
+__all__ = [
+    "EMIT_SIGNAL",
+    "LOCK_CHILD",
+    "LOCK_FOR_WAIT",
+    "NEXT_WAIT_TIMEOUT",
+    "REGISTER_RESULT_WAIT",
+    "REGISTER_SIGNAL_WAIT",
+    "WAIT_TIMEOUTS",
+]
+
+
+# -- signals -------------------------------------------------------------------------------
+
+#: Locks this attempt's task row ``FOR UPDATE`` before a wait is registered in the same
+#: transaction. The lock conflicts with the key-share lock that a signal's foreign key (and
+#: a child's) takes on the task, so an emitter either committed before (and the next
+#: statement's fresh snapshot sees its signal) or waits until the wait is committed (and its
+#: trigger then sees the wait). Returns ``(cancel)`` while the lease holds, no row otherwise.
+#: Binds ``task``, ``attempt_number``, ``token``.
+LOCK_FOR_WAIT: Final = (
+    fenced(tasks.c.cancel_requested_at.is_not(None).label("cancel"))
+    .with_for_update(of=tasks)
+)
+
+
+def _register_wait(
+    found: CTE, kind: str, value: ColumnElement[Any], wait: dict[str, ColumnElement[Any]]
+) -> Select[Any]:
+    """Checkpoint what ``found`` holds (one row: the awaited event already happened) as
+    ``value``, or store a wait with the ``wait`` columns and suspend the attempt."""
+    # Already locked by LOCK_FOR_WAIT; checked again so the statement is safe on its own.
+    fence = fenced(tasks.c.id).cte("fence")
+    stored = (
+        pg_insert(checkpoints)
+        .from_select(
+            [*CHECKPOINT_KEY, "kind", "value"],
+            select(fence.c.id, *key_binds()[1:], const(kind), value)
+            .select_from(fence.join(found, true())),
+        )
+        .on_conflict_do_update(**KEEP_FIRST)
+        .returning(checkpoints.c.value)
+        .cte("stored")
+    )
+    waiting = (
+        pg_insert(waits)
+        .from_select(
+            ["task_id", "kind", "version", "step", "occurrence", *wait, "timeout_at"],
+            select(
+                fence.c.id, const("child" if kind == "result" else kind), *key_binds()[1:],
+                *wait.values(), NOW + seconds(bind("timeout", Double)),
+            ).where(~has_rows(found)),
+        )
+        .returning(waits.c.task_id)
+        .cte("wait")
+    )
+    moved, recorded = suspend(fence, "waiting", has_rows(waiting))
+    return select(
+        has_rows(fence).label("held"),
+        select(stored.c.value).scalar_subquery().label("value"),
+        has_rows(moved).label("waiting"),
+    ).add_cte(recorded)
+
+
+def _register_signal_wait() -> Select[Any]:
+    signal = (
+        select(signals.c.value)
+        .where(
+            signals.c.task_id == task_bind(),
+            signals.c.name == bind("signal", Text),
+            signals.c.occurrence == bind("signal_occurrence", Integer),
+        )
+        .cte("signal")
+    )
+    return _register_wait(
+        signal,
+        "signal",
+        func.jsonb_build_object(const("signal"), signal.c.value),
+        {
+            "signal_name": bind("signal", Text),
+            "signal_occurrence": bind("signal_occurrence", Integer),
+        },
+    )
+
+
+#: Registers a signal wait, after `LOCK_FOR_WAIT` in the same transaction: if the signal
+#: (``signal``, ``signal_occurrence``) is already there, its value becomes the step's checkpoint
+#: ``{"signal": value}`` and nothing suspends; otherwise a wait with ``timeout`` seconds of
+#: database time (None: for ever) is stored, the task is ``waiting`` and the attempt suspended.
+#: Returns ``(held, value, waiting)``. Binds `DurableParams`, ``signal``,
+#: ``signal_occurrence``, ``timeout``.
+REGISTER_SIGNAL_WAIT: Final = _register_signal_wait()
+
+
+def _emit_signal() -> Any:
+    return (
+        pg_insert(signals)
+        .values(
+            task_id=task_bind(),
+            name=bind("signal", Text),
+            occurrence=bind("signal_occurrence", Integer),
+            value=cast(bind("signal_value", Text), JSONB),
+        )
+        # Takes the row lock of an existing signal and returns it: the first value wins.
+        .on_conflict_do_update(
+            index_elements=["task_id", "name", "occurrence"], set_={"value": signals.c.value}
+        )
+        .returning(signals.c.value)
+    )
+
+
+#: Stores a signal for a task unless one with the same (name, occurrence) exists; either way
+#: returns the stored ``value``. Its trigger wakes the task if it waits for this signal. The
+#: foreign key takes a key-share lock on the task row. Binds ``task``, ``signal``,
+#: ``signal_occurrence``, ``signal_value`` (JSON text).
+EMIT_SIGNAL: Final = _emit_signal()
+
+
+
+#: The child's parent and state, locked ``FOR SHARE`` (after the parent's `LOCK_FOR_WAIT`, in
+#: the same transaction): a child cannot finish unseen while its parent registers a wait for it.
+#: Binds ``child_id``; returns ``(parent_id, state)`` or no row.
+LOCK_CHILD: Final = (
+    select(tasks.c.parent_id, tasks.c.state)
+    .where(tasks.c.id == bind("child_id", UUID_T))
+    .with_for_update(read=True)
+)
+
+
+def _register_result_wait() -> Select[Any]:
+    finished = (
+        select(tasks.c.state, tasks.c.result, tasks.c.error)
+        .where(
+            tasks.c.id == bind("child_id", UUID_T),
+            tasks.c.state.in_(states(TERMINAL_STATES)),
+        )
+        .cte("finished")
+    )
+    return _register_wait(
+        finished,
+        "result",
+        func.jsonb_build_object(
+            const("state"), finished.c.state, const("result"), finished.c.result,
+            const("error"), finished.c.error,
+        ),
+        {"child_id": bind("child_id", UUID_T)},
+    )
+
+
+#: Registers a wait for a direct child's result, after `LOCK_FOR_WAIT` and `LOCK_CHILD` in the
+#: same transaction: a finished child's ``{"state", "result", "error"}`` becomes the step's
+#: checkpoint at once; otherwise a wait with ``timeout`` seconds of database time (None: for
+#: ever) is stored, the parent is ``waiting`` and the attempt suspended. Returns ``(held,
+#: value, waiting)``. Binds `DurableParams`, ``child_id``, ``timeout``.
+REGISTER_RESULT_WAIT: Final = _register_result_wait()
+
+
+# -- wait timeouts (maintenance) -----------------------------------------------------------
+
+
+def _wait_timeouts() -> Select[Any]:
+    # Parents first, then children, each with SKIP LOCKED: a child being finished (its
+    # completion locks it, then the parent) is left for a later pass instead of deadlocking.
+    due = (
+        select(
+            waits.c.task_id, waits.c.kind, waits.c.version, waits.c.step, waits.c.occurrence,
+            waits.c.child_id,
+        )
+        .select_from(waits.join(tasks, tasks.c.id == waits.c.task_id))
+        .where(waits.c.timeout_at <= NOW, tasks.c.state == const("waiting"))
+        .order_by(waits.c.timeout_at)
+        .limit(bind("limit", Integer))
+        .with_for_update(key_share=True, skip_locked=True, of=tasks)
+        .cte("due")
+    )
+    children = (
+        select(tasks.c.id)
+        .where(tasks.c.id.in_(select(due.c.child_id).where(due.c.child_id.is_not(None))))
+        .with_for_update(key_share=True, skip_locked=True)
+        .cte("children")
+    )
+    # A signal wait, or a child wait whose child is locked here (or gone).
+    ready = (
+        select(due)
+        .where(
+            (due.c.child_id.is_(None))
+            | due.c.child_id.in_(select(children.c.id))
+            | ~exists().where(tasks.c.id == due.c.child_id)
+        )
+        .cte("ready")
+    )
+    timed_out = case(
+        (ready.c.kind == const("signal"),
+         cast(literal_column("""'{"timeout": true}'"""), JSONB)),
+        else_=cast(
+            literal_column("""'{"state": "timeout", "result": null, "error": null}'"""), JSONB
+        ),
+    )
+    stored = (
+        pg_insert(checkpoints)
+        .from_select(
+            [*CHECKPOINT_KEY, "kind", "value"],
+            select(
+                ready.c.task_id, ready.c.version, ready.c.step, ready.c.occurrence,
+                case((ready.c.kind == literal_column("'signal'"), const("signal")),
+                     else_=const("result")),
+                timed_out,
+            ),
+        )
+        .on_conflict_do_nothing(index_elements=list(CHECKPOINT_KEY))
+        .cte("stored")
+    )
+    # A parent that is itself a child timed out in this pass is cancelled below instead.
+    cancelled_ids = select(ready.c.child_id).where(ready.c.child_id.is_not(None))
+    woken = (
+        update(tasks)
+        .where(
+            tasks.c.id.in_(select(ready.c.task_id)),
+            tasks.c.id.not_in(cancelled_ids),
+        )
+        .values(state=const("pending"), run_at=NOW, updated_at=NOW)
+        .returning(tasks.c.id)
+        .cte("woken")
+    )
+    at_rest = tasks.c.state.in_(states(("pending", "waiting")))
+    parent = select(ready.c.task_id).where(ready.c.child_id == tasks.c.id).scalar_subquery()
+    cancelled = (
+        update(tasks)
+        .where(
+            tasks.c.id.in_(cancelled_ids),
+            tasks.c.state.in_(states(ACTIVE_STATES)),
+        )
+        .values(
+            state=case((at_rest, const("cancelled")), else_=tasks.c.state),
+            cancel_requested_at=func.coalesce(tasks.c.cancel_requested_at, NOW),
+            completed_at=case((at_rest, NOW), else_=tasks.c.completed_at),
+            error=case(
+                (at_rest, func.jsonb_build_object(
+                    const("type"), const("cancelled"), const("reason"),
+                    const("result_wait_timeout"), const("parent_id"), parent,
+                )),
+                else_=tasks.c.error,
+            ),
+            updated_at=NOW,
+        )
+        .returning(tasks.c.id)
+        .cte("cancelled")
+    )
+    return (
+        select(woken.c.id)
+        .add_cte(stored)
+        .add_cte(cancelled)
+    )
+
+
+#: Times out up to ``limit`` due waits: the step's checkpoint becomes ``{"timeout": true}``
+#: (a signal wait) or ``{"state": "timeout", ...}`` (a child wait), the task is pending at once,
+#: and a timed-out child is cancelled (its unfinished descendants with it, by trigger; a
+#: running one by a cancel request). Locks waiting tasks and their children with ``SKIP
+#: LOCKED``, parents first. Served by ``ix_waits_timeout_at``. Returns ``(id)`` per task woken.
+WAIT_TIMEOUTS: Final = _wait_timeouts()
+
+#: Seconds of database time until the earliest wait times out (negative: overdue), or NULL
+#: when no wait has a timeout. Served by ``ix_waits_timeout_at``; locks nothing.
+NEXT_WAIT_TIMEOUT: Final = select(
+    func.extract("epoch", func.min(waits.c.timeout_at) - NOW).label("seconds")
+).where(waits.c.timeout_at.is_not(None))

@@ -1,0 +1,215 @@
+"""worker._transactions: ``ctx.transaction(name)``, the fenced application transaction.
+
+The handler's session writes and the step's checkpoint commit in one transaction. The
+checkpoint is written last, by a statement that also checks the lease fence and locks the task
+row ``FOR SHARE`` until the commit: a stale attempt's transaction finds no row and rolls back
+whole, and the lease cannot change hands between the check and the commit. The row is not
+locked while the block runs, so a long transaction never holds up lease renewal.
+
+A replay (an earlier attempt committed the block) yields a session that refuses database
+access: the block ends quietly at its first statement and nothing is written; the stored
+result is in ``result``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+from sqlalchemy.orm import Session
+
+from sqlalchemy_pgtask.durable import StepKey
+from sqlalchemy_pgtask.statements import CHECKPOINT, SAVE_CHECKPOINT
+from sqlalchemy_pgtask.validation import CHECKPOINT_MAX_BYTES, dump_json
+from sqlalchemy_pgtask.worker._reconnect import is_transient
+
+if TYPE_CHECKING:
+    from sqlalchemy_pgtask.worker._durable import DurableAttempt
+
+__all__ = ["AsyncTransactionStep", "SyncTransactionStep", "TransactionEngines"]
+
+_KIND = "transaction"
+
+
+class TransactionEngines:
+    """The engines application transactions run on: the worker's, and a synchronous twin
+    (made on first use, for ``def`` handlers, from the same URL)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.async_engine = engine
+        self._sync: Engine | None = None
+        self._lock = threading.Lock()
+
+    def sync_engine(self) -> Engine:
+        with self._lock:
+            if self._sync is None:
+                url = self.async_engine.url.set(drivername="postgresql+psycopg")
+                self._sync = create_engine(url, hide_parameters=True, pool_pre_ping=True)
+            return self._sync
+
+    async def close(self) -> None:
+        with self._lock:
+            engine, self._sync = self._sync, None
+        if engine is not None:
+            engine.dispose()
+
+
+class _Refused(BaseException):
+    """A replayed transaction block reached the database; ends the block quietly."""
+
+
+class _ReplaySession(Session):
+    """A session for a replayed block: every database access ends the block."""
+
+    def get_bind(self, *args: Any, **kwargs: Any) -> Any:
+        raise _Refused("this transaction step was committed by an earlier attempt")
+
+
+class _Step:
+    def __init__(self, runtime: DurableAttempt, key: StepKey) -> None:
+        self._runtime = runtime
+        self._key = key
+        #: The block's JSON result: set it inside the block; afterwards, the stored value.
+        self.result: Any = None
+        #: An earlier attempt committed this block; nothing was written now.
+        self.replayed = False
+        self._entered = False
+
+    def _enter(self, found: bool, value: Any) -> None:
+        if self._entered:
+            raise RuntimeError("a transaction step is used once")
+        self._entered = True
+        if found:
+            self.replayed = True
+            self.result = value.get("result")
+
+    def _document(self) -> str:
+        return dump_json(f"transaction {self._key[0]!r} result", {"result": self.result},
+                         CHECKPOINT_MAX_BYTES)
+
+    def _params(self, document: str) -> dict[str, Any]:
+        return {**self._runtime.params(self._key), "kind": _KIND, "value": document}
+
+    def _stored(self, value: Any) -> None:
+        self.result = value.get("result")
+        self._runtime.remember(self._key, _KIND, value)
+
+    async def _committed(self) -> Any | None:
+        """After a commit with an unknown outcome: the stored checkpoint, or None."""
+        runtime = self._runtime
+        rows = await runtime.calls.rows(runtime, CHECKPOINT, runtime.params(self._key))
+        return rows[0].value if rows else None
+
+
+class AsyncTransactionStep(_Step):
+    """``async with ctx.transaction(name) as session``; see `context.TransactionStep`."""
+
+    _session: AsyncSession
+
+    async def __aenter__(self) -> AsyncSession:
+        found, value = await self._runtime.replayed(self._key, _KIND)
+        self._enter(found, value)
+        if self.replayed:
+            self._session = AsyncSession(sync_session_class=_ReplaySession)
+        else:
+            self._session = AsyncSession(
+                self._runtime.calls.engines.async_engine, expire_on_commit=False
+            )
+        return self._session
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        session = self._session
+        try:
+            if self.replayed:
+                return exc_type is not None and issubclass(exc_type, _Refused)
+            if exc_type is not None:
+                await session.rollback()
+                return False
+            await self._commit(session)
+            return False
+        finally:
+            await session.close()
+
+    async def _commit(self, session: AsyncSession) -> None:
+        document = self._document()
+        self._runtime.guard()
+        await session.flush()
+        row = (await session.execute(SAVE_CHECKPOINT, self._params(document))).one()
+        if not row.held:
+            await session.rollback()
+            await self._runtime.fence_failed(suspending=False)
+        if not row.saved:  # an earlier try of this block committed: keep that one
+            await session.rollback()
+            found = (await self._runtime.calls.rows(
+                self._runtime, CHECKPOINT, self._runtime.params(self._key)
+            ))[0]
+            self.replayed = True
+            self._stored(found.value)
+            return
+        try:
+            await session.commit()
+        except Exception as exc:
+            if not is_transient(exc) or await self._committed() is None:
+                raise
+        self._stored(json.loads(document))
+
+
+class SyncTransactionStep(_Step):
+    """``with ctx.transaction(name) as session`` in a ``def`` handler."""
+
+    _session: Session
+
+    def __enter__(self) -> Session:
+        runtime = self._runtime
+        replay = runtime.replayed_now(self._key, _KIND)
+        found, value = replay if replay is not None else runtime.call(
+            runtime.replayed(self._key, _KIND)
+        )
+        self._enter(found, value)
+        if self.replayed:
+            self._session = _ReplaySession()
+        else:
+            engine = runtime.calls.engines.sync_engine()
+            self._session = Session(engine, expire_on_commit=False)
+        return self._session
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        session = self._session
+        try:
+            if self.replayed:
+                return exc_type is not None and issubclass(exc_type, _Refused)
+            if exc_type is not None:
+                session.rollback()
+                return False
+            self._commit(session)
+            return False
+        finally:
+            session.close()
+
+    def _commit(self, session: Session) -> None:
+        runtime = self._runtime
+        document = self._document()
+        runtime.guard()
+        session.flush()
+        row = session.execute(SAVE_CHECKPOINT, self._params(document)).one()
+        if not row.held:
+            session.rollback()
+            runtime.call(runtime.fence_failed(suspending=False))
+        if not row.saved:
+            session.rollback()
+            found = runtime.call(
+                runtime.calls.rows(runtime, CHECKPOINT, runtime.params(self._key))
+            )
+            self.replayed = True
+            self._stored(found[0].value)
+            return
+        try:
+            session.commit()
+        except Exception as exc:
+            if not is_transient(exc) or runtime.call(self._committed()) is None:
+                raise
+        self._stored(json.loads(document))
+
