@@ -11,9 +11,9 @@ import time
 import uuid
 from typing import Any, Final
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, Select, select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_scoped_session
-from sqlalchemy.orm import Session, scoped_session
+from sqlalchemy.orm import Session, joinedload, scoped_session, selectinload
 
 from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask._connection import (
@@ -55,22 +55,47 @@ __all__ = [
 DEFAULT_POLL_INTERVAL: Final = 1.0
 
 
+def _with_relations(task_id: uuid.UUID) -> Select[Task]:
+    # Collections by a second SELECT each (no row multiplication); the single rows joined.
+    # populate_existing: a task already in the session would otherwise keep relations loaded
+    # earlier, stale next to the steps and children read now.
+    return (
+        select(Task)
+        .where(Task.id == task_id)
+        .options(
+            selectinload(Task.steps),
+            joinedload(Task.wait),
+            selectinload(Task.children),
+            joinedload(Task.parent),
+        )
+        .execution_options(populate_existing=True)
+    )
+
+
 def get_task(session: Session | scoped_session[Any], task_id: uuid.UUID | str) -> Task | None:
-    """The task with that id (a mapped `Task` in ``session``), or None."""
+    """The task with that id (a mapped `Task` in ``session``), or None.
+
+    It is read in the caller's transaction, with its `~Task.steps`, `~Task.wait`,
+    `~Task.children` and `~Task.parent` loaded (three statements at most), so they can be
+    read after the session closes. A task already in the session is refreshed, relations
+    too, from the database. The children and the parent come without their own relations;
+    `Session.refresh` and a commit (with ``expire_on_commit``) unload the relations again.
+    Never commits.
+    """
     target = sync_session(session, "get_task")
     wanted = parse_task_id(task_id)
     with translated_errors():
-        return target.get(Task, wanted)
+        return target.scalars(_with_relations(wanted)).unique().one_or_none()
 
 
 async def get_task_async(
     session: AsyncSession | async_scoped_session[Any], task_id: uuid.UUID | str
 ) -> Task | None:
-    """`get_task` for an `AsyncSession`."""
+    """`get_task` for an `AsyncSession`: the relations are loaded, never lazily fetched."""
     target = async_session(session, "get_task")
     wanted = parse_task_id(task_id)
     with translated_errors():
-        return await target.get(Task, wanted)
+        return (await target.scalars(_with_relations(wanted))).unique().one_or_none()
 
 
 def _cancel_params(task_id: uuid.UUID | str) -> dict[str, uuid.UUID]:
@@ -117,7 +142,8 @@ def wait_for_result(
     timeout: float | None = None,
     poll_interval: float = DEFAULT_POLL_INTERVAL,
 ) -> Task:
-    """Block until the task is terminal and return it (detached, fully loaded).
+    """Block until the task is terminal and return it (detached, every column loaded; its
+    relations are not: `get_task` reads those).
 
     Subscribes first, then reads, then waits: a task that finishes between the read and the
     wait still wakes it. Notifications are hints; it re-reads at least every

@@ -8,7 +8,8 @@ Task states::
 
     pending ──claim──▶ running ──complete──▶ succeeded
        ▲                │  │ ╰──fail (no retry left)──▶ failed
-       ╰──retry/release─╯  ╰──sleep / wait──▶ waiting ──wake──▶ pending
+       ╰─retry/release/─╯  ╰──signal or child wait──▶ waiting ──wake or timeout──▶ pending
+         durable sleep
     pending / waiting ──cancel──▶ cancelled;  running ──cancel request──▶ cancelled at its end
 """
 

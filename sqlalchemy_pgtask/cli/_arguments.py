@@ -151,10 +151,13 @@ def _add_task(commands: Any) -> None:
     _add_url_option(listing)
     listing.set_defaults(handler=_inspect.task_list)
 
-    show = actions.add_parser("show", help="print a task and its attempts")
+    show = actions.add_parser(
+        "show", help="print a task, its attempts, steps, wait, parent and children"
+    )
     show.add_argument("task_id", metavar="TASK_ID")
     show.add_argument(
-        "--json", action="store_true", help="one JSON document (task and attempts) instead"
+        "--json", action="store_true",
+        help="one JSON document (task, attempts, steps, wait, parent, children) instead",
     )
     _add_url_option(show)
     show.set_defaults(handler=_inspect.task_show)

@@ -19,9 +19,12 @@ from sqlalchemy_pgtask.status import (
     AttemptInfo,
     QueueSettings,
     QueueStatus,
+    StepInfo,
     TaskDetail,
+    TaskRef,
     TaskSummary,
     Unroutable,
+    WaitInfo,
     WorkerInfo,
 )
 
@@ -36,6 +39,10 @@ __all__ = [
 _INDENT: Final = "  "
 #: Error-document keys rendered by `_error_lines` itself; the rest are listed after them.
 _ERROR_KEYS: Final = frozenset({"type", "exception", "message", "traceback"})
+#: `TaskDetail` fields shown as sections of their own, not as the task's fields.
+_RELATED: Final = ("attempts", "steps", "wait", "children", "parent")
+#: A step's value longer than this (as JSON) is cut in the text output; ``--json`` has it all.
+_STEP_VALUE_WIDTH: Final = 120
 
 
 def when(value: datetime | None) -> str:
@@ -183,15 +190,67 @@ def _attempt_lines(attempt: AttemptInfo) -> list[str]:
     return out
 
 
+def _ref(task: TaskRef) -> str:
+    return f"{task.id}  {task.name} v{task.version}  {task.state}"
+
+
+def _parent(task: TaskDetail) -> str | None:
+    if task.parent is not None:
+        return _ref(task.parent)
+    # A parent deleted between the two reads of a READ COMMITTED caller: its id is known.
+    return None if task.parent_id is None else str(task.parent_id)
+
+
+def _wait(wait: WaitInfo | None) -> str | None:
+    if wait is None:
+        return None
+    step = f"step {wait.step!r} #{wait.occurrence}"
+    if wait.kind == "signal":
+        what = f"signal {wait.signal_name} #{wait.signal_occurrence} ({step})"
+    elif wait.kind == "child":
+        what = f"child {wait.child_id} ({step})"
+    else:
+        what = f"sleep ({step})"
+    if wait.deadline is None:
+        until = "no timeout"
+    else:
+        until = f"{'wakes' if wait.kind == 'sleep' else 'times out'} {when(wait.deadline)}"
+    return f"{what}, since {when(wait.since)}, {until}"
+
+
+def _step_line(step: StepInfo, version: int) -> str:
+    value = json.dumps(step.value, ensure_ascii=False, sort_keys=True)
+    if len(value) > _STEP_VALUE_WIDTH:
+        value = f"{value[:_STEP_VALUE_WIDTH]}... ({len(value)} characters; --json has all)"
+    # The task's own version goes without saying; another one (kept from an older handler)
+    # must show, or two steps of the same name would look like one replayed twice.
+    other = "" if step.version == version else f" (v{step.version})"
+    key = f"{step.step!r} #{step.occurrence}{other}"
+    return f"{key}: {step.kind} at {when(step.created_at)}: {value}"
+
+
+def _durable_sections(task: TaskDetail) -> list[str]:
+    """``children:`` and ``steps:``, each only when the task has some."""
+    out: list[str] = []
+    if task.children:
+        out += ["children:", *_indented((_ref(child) for child in task.children), 1)]
+    if task.steps:
+        out.append("steps:")
+        out += _indented((_step_line(step, task.version) for step in task.steps), 1)
+    return out
+
+
 def task_detail_lines(task: TaskDetail) -> list[str]:
-    """``pgtask task show``: the task's fields, its documents, its error, then each attempt."""
+    """``pgtask task show``: the task's fields (its wait and parent among them), its
+    documents, its error, then its children, its steps and each attempt."""
     scalars: list[tuple[str, Any]] = [
         ("queue", task.queue), ("name", task.name), ("version", task.version),
-        ("state", task.state), ("priority", task.priority), ("run_at", task.run_at),
-        ("attempt", task.attempt), ("failed_attempts", task.failed_attempts),
+        ("state", task.state), ("wait", _wait(task.wait)), ("priority", task.priority),
+        ("run_at", task.run_at), ("attempt", task.attempt),
+        ("failed_attempts", task.failed_attempts),
         ("max_attempts", task.max_attempts or "the handler's (set at the first claim)"),
         ("retry", _retry(task)),
-        ("idempotency_key", task.idempotency_key), ("parent_id", task.parent_id),
+        ("idempotency_key", task.idempotency_key), ("parent", _parent(task)),
         ("lease_owner", task.lease_owner), ("lease_expires_at", task.lease_expires_at),
         ("cancel_requested_at", task.cancel_requested_at), ("created_at", task.created_at),
         ("updated_at", task.updated_at), ("completed_at", task.completed_at),
@@ -204,7 +263,7 @@ def task_detail_lines(task: TaskDetail) -> list[str]:
     ):
         body += _document(name, document)
     body += _error_lines(task.error)
-    out = [f"task {task.id}", *_indented(body, 1)]
+    out = [f"task {task.id}", *_indented(body, 1), *_durable_sections(task)]
     if not task.attempts:
         return [*out, "attempts: none"]
     out.append("attempts:")
@@ -222,13 +281,18 @@ def _json_default(value: object) -> Any:
 
 
 def task_detail_json(task: TaskDetail) -> str:
-    """``pgtask task show --json``: ``{"task": {...}, "attempts": [...]}`` on one line."""
+    """``pgtask task show --json``: ``{"task": {...}, "attempts": [...], "steps": [...],
+    "wait": {...} or null, "children": [...], "parent": {...} or null}`` on one line."""
     fields = {
-        f.name: getattr(task, f.name) for f in dataclasses.fields(task) if f.name != "attempts"
+        f.name: getattr(task, f.name) for f in dataclasses.fields(task) if f.name not in _RELATED
     }
     document = {
         "task": fields,
         "attempts": [dataclasses.asdict(attempt) for attempt in task.attempts],
+        "steps": [dataclasses.asdict(step) for step in task.steps],
+        "wait": None if task.wait is None else dataclasses.asdict(task.wait),
+        "children": [dataclasses.asdict(child) for child in task.children],
+        "parent": None if task.parent is None else dataclasses.asdict(task.parent),
     }
     return json.dumps(document, default=_json_default, ensure_ascii=False)
 

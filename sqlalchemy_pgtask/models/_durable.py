@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from datetime import datetime
 from typing import Any, Final
@@ -24,6 +25,8 @@ __all__ = [
     "Checkpoint",
     "Signal",
     "Wait",
+    "sleep_deadline",
+    "wake_time",
 ]
 
 #: What wrote a checkpoint: a step's result, a sleep's wake time, a signal (or its timeout), a
@@ -34,6 +37,46 @@ WAIT_KINDS: Final = ("signal", "child")
 #: A stored checkpoint may hold a step's value (at most 1 MiB), a signal's, or a child's result
 #: and error together, so the column allows twice a step's limit.
 CHECKPOINT_STORED_MAX_BYTES: Final = 2 * 1024 * 1024
+
+
+#: The fraction of a second in PostgreSQL's JSON timestamps, which drops trailing zeros
+#: (``12:00:00.5+00:00``); Python 3.10's ``fromisoformat`` reads only 3 or 6 digits.
+_FRACTION: Final = re.compile(r"\.(\d{1,6})(?=[+-]|$)")
+
+
+def wake_time(kind: str, value: Any) -> datetime | None:
+    """The wake time a ``sleep`` checkpoint stored (``{"wake_at": ...}``); None otherwise.
+
+    None too for a value that does not hold a timezone-aware ISO 8601 time (the library
+    writes none such, but a checkpoint is an ordinary row).
+    """
+    if kind != "sleep" or not isinstance(value, dict):
+        return None
+    stored = value.get("wake_at")
+    if not isinstance(stored, str):
+        return None
+    text = _FRACTION.sub(lambda m: "." + m.group(1).ljust(6, "0"), stored, count=1)
+    try:
+        parsed = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo is not None else None
+
+
+def sleep_deadline(
+    state: str, run_at: datetime, latest_kind: str | None, latest_value: Any
+) -> datetime | None:
+    """When a task in a durable sleep wakes, from its state, ``run_at`` and latest checkpoint.
+
+    Asleep means ``pending`` with a latest checkpoint that is a ``sleep`` whose wake time is
+    the task's ``run_at``: every path that makes a task pending again after it ran (a retry,
+    a lost lease, a release, a resolved wait) sets ``run_at`` anew. The wake time may have
+    passed already (the caller cannot know database time): the task then waits for a claim.
+    """
+    if state != "pending" or latest_kind is None:
+        return None
+    wake = wake_time(latest_kind, latest_value)
+    return wake if wake is not None and wake == run_at else None
 
 
 def _step_check(column: str) -> str:
@@ -67,6 +110,11 @@ class Checkpoint(Base):
     kind: Mapped[str] = mapped_column(Text)
     value: Mapped[Any] = mapped_column(JSONB)
     created_at: Mapped[datetime] = mapped_column(server_default=NOW)
+
+    @property
+    def wake_at(self) -> datetime | None:
+        """The wake time of a ``sleep`` checkpoint; None for every other kind."""
+        return wake_time(self.kind, self.value)
 
 
 class Signal(Base):

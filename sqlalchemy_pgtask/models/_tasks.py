@@ -1,10 +1,10 @@
-"""models._tasks: tasks and their attempts."""
+"""models._tasks: tasks and their attempts, and a task's durable relations (read-only)."""
 
 from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import Any
+from typing import Any, Final
 
 from sqlalchemy import (
     Boolean,
@@ -18,7 +18,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.orm import Mapped, mapped_column
+from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from sqlalchemy_pgtask.models._base import (
     FAST_AUTOVACUUM,
@@ -29,6 +29,7 @@ from sqlalchemy_pgtask.models._base import (
     retry_shape_check,
     size_check,
 )
+from sqlalchemy_pgtask.models._durable import Checkpoint, Wait, sleep_deadline
 from sqlalchemy_pgtask.states import (
     ACTIVE_STATES,
     ATTEMPT_STATES,
@@ -46,9 +47,24 @@ from sqlalchemy_pgtask.validation import (
     TASK_NAME_MAX_BYTES,
 )
 
+#: How a task's relations load when nothing asked for them: not at all. A lazy load would run
+#: a query wherever the attribute is first touched: unnoticed N+1 queries in a sync session,
+#: ``MissingGreenlet`` inside an `AsyncSession`. Instead an unloaded relation raises at once,
+#: and `get_task` (or a loader option such as ``selectinload(Task.steps)``) loads them. Plain
+#: queries of `Task` and the listings pay nothing; what needs no SQL (a parent already in the
+#: session, or no parent id) is still answered.
+_LOAD_EXPLICITLY: Final = "raise_on_sql"
+
 
 class Task(Base):
-    """One unit of work and its current state (history of each claim is in `Attempt`)."""
+    """One unit of work and its current state (history of each claim is in `Attempt`).
+
+    Its durable relations (`steps`, `wait`, `children`, `parent`) are read-only views of rows
+    the library writes, and are never loaded implicitly: `get_task` loads them all, or ask
+    with loader options (``select(Task).options(selectinload(Task.children))``). Touching
+    one that is not loaded raises instead of querying: `sqlalchemy.exc.InvalidRequestError`
+    in a session, `sqlalchemy.orm.exc.DetachedInstanceError` outside one.
+    """
 
     __tablename__ = "tasks"
     __table_args__ = (
@@ -164,6 +180,41 @@ class Task(Base):
     created_at: Mapped[datetime] = mapped_column(server_default=NOW)
     updated_at: Mapped[datetime] = mapped_column(server_default=NOW)
     completed_at: Mapped[datetime | None]
+
+    #: Every checkpoint the task's handler stored, oldest first.
+    steps: Mapped[list[Checkpoint]] = relationship(
+        order_by=lambda: (Checkpoint.created_at, Checkpoint.step, Checkpoint.occurrence),
+        lazy=_LOAD_EXPLICITLY,
+        viewonly=True,
+    )
+    #: What the task waits for while it is ``waiting`` (a signal or a child); None otherwise.
+    #: A durable sleep is no wait (the task is ``pending``): see `sleeping_until`.
+    wait: Mapped[Wait | None] = relationship(lazy=_LOAD_EXPLICITLY, viewonly=True)
+    #: The tasks it spawned, oldest first.
+    children: Mapped[list[Task]] = relationship(
+        order_by=lambda: (Task.created_at, Task.id),
+        lazy=_LOAD_EXPLICITLY,
+        viewonly=True,
+    )
+    #: The task that spawned it; None for a task enqueued directly, or whose parent was deleted.
+    parent: Mapped[Task | None] = relationship(
+        remote_side=lambda: Task.id,
+        lazy=_LOAD_EXPLICITLY,
+        viewonly=True,
+    )
+
+    @property
+    def sleeping_until(self) -> datetime | None:
+        """The wake time of the durable sleep the task is in, or None; needs `steps` loaded.
+
+        Asleep: ``pending``, the latest step a ``sleep`` whose stored wake time is ``run_at``
+        (`sleep_deadline`). Python cannot know database time, so the wake time may already
+        have passed: the task is then due and waits for a worker to claim it.
+        """
+        if not self.steps:
+            return None
+        latest = self.steps[-1]
+        return sleep_deadline(self.state, self.run_at, latest.kind, latest.value)
 
 
 class Attempt(Base):

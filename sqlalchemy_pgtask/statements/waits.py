@@ -6,8 +6,11 @@ the wait and suspends the attempt. Whatever resolves a wait (a signal's trigger,
 the timeout pass) locks the task row first too, so the two never miss each other.
 
 Lock order: a change of a waiting task locks the task row before it reads or deletes the
-task's wait; a parent is locked before its child. The triggers of migration ``pgtask_0003``
-follow the same order.
+task's wait. Registering a result wait locks the parent, then the child (``FOR SHARE``); a task
+that ends locks its descendants after itself (trigger ``tasks_cancel_descendants``); a child
+that ends locks its waiting parent after itself but never waits for it (trigger
+``tasks_child_finished``, ``NOWAIT``); the timeout pass skips what others hold. Nothing here can
+deadlock.
 """
 
 from __future__ import annotations

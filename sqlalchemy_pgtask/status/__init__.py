@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from sqlalchemy_pgtask._connection import parse_task_id
 from sqlalchemy_pgtask.queues import QueueSettings
+from sqlalchemy_pgtask.status._durable import StepInfo, TaskRef, WaitInfo, WaitKind
 from sqlalchemy_pgtask.status._overview import (
     QueueStatus,
     Unroutable,
@@ -38,9 +39,13 @@ __all__ = [
     "AttemptInfo",
     "QueueSettings",
     "QueueStatus",
+    "StepInfo",
     "TaskDetail",
+    "TaskRef",
     "TaskSummary",
     "Unroutable",
+    "WaitInfo",
+    "WaitKind",
     "WorkerInfo",
     "check_list_filters",
     "list_tasks",

@@ -14,6 +14,7 @@ from sqlalchemy_pgtask._connection import parse_task_id
 from sqlalchemy_pgtask.errors import InvalidOptionError, TaskNotFound
 from sqlalchemy_pgtask.models import Attempt, Task
 from sqlalchemy_pgtask.states import TASK_STATES, AttemptState, TaskState
+from sqlalchemy_pgtask.status._durable import StepInfo, TaskRef, WaitInfo, durable_view
 from sqlalchemy_pgtask.validation import check_int_range, check_queue_name, check_task_name
 
 __all__ = [
@@ -65,7 +66,8 @@ class AttemptInfo:
 
 @dataclass(frozen=True)
 class TaskDetail(TaskSummary):
-    """Everything stored about one task, and its attempts in order."""
+    """Everything stored about one task: its attempts, and its durable steps, wait, children
+    and parent (empty for a task whose handler made no durable call)."""
 
     failed_attempts: int
     payload: Any
@@ -84,7 +86,18 @@ class TaskDetail(TaskSummary):
     retry_max_seconds: float | None
     retry_jitter: bool | None
     attempts: tuple[AttemptInfo, ...]
+    #: Its checkpoints, oldest first.
+    steps: tuple[StepInfo, ...] = ()
+    #: What it waits for now: a signal or a child (``waiting``), or a sleep's end (``pending``).
+    wait: WaitInfo | None = None
+    #: The tasks it spawned, oldest first.
+    children: tuple[TaskRef, ...] = ()
+    #: The task that spawned it (``parent_id``), if that task still exists.
+    parent: TaskRef | None = None
 
+
+#: `TaskDetail` fields that are not columns of the task's row.
+_RELATED: Final = frozenset({"attempts", "steps", "wait", "children", "parent"})
 
 _SUMMARY_COLUMNS: Final = (
     Task.id, Task.queue, Task.name, Task.version, Task.state, Task.priority, Task.attempt,
@@ -166,30 +179,41 @@ def list_tasks(
 
 
 def task_detail(connection: Connection, task_id: uuid.UUID | str) -> TaskDetail | None:
-    """Everything about one task and its attempts (oldest first); None if there is none."""
+    """Everything about one task, its attempts, steps and children (each oldest first), its
+    wait and its parent; None if there is none. Run it in a ``REPEATABLE READ`` transaction
+    for one consistent snapshot: it reads with up to six statements."""
     wanted = parse_task_id(task_id)
     tasks = Task.__table__
     row = connection.execute(select(tasks).where(tasks.c.id == wanted)).mappings().first()
     if row is None:
         return None
-    attempts = connection.execute(
-        select(
-            Attempt.attempt, Attempt.state, Attempt.worker_id, Attempt.started_at,
-            Attempt.finished_at, Attempt.error,
+    attempts = tuple(
+        AttemptInfo(
+            attempt=a.attempt, state=a.state, worker_id=a.worker_id,
+            started_at=a.started_at, finished_at=a.finished_at, error=a.error,
         )
-        .where(Attempt.task_id == wanted)
-        .order_by(Attempt.attempt)
+        for a in connection.execute(
+            select(
+                Attempt.attempt, Attempt.state, Attempt.worker_id, Attempt.started_at,
+                Attempt.finished_at, Attempt.error,
+            )
+            .where(Attempt.task_id == wanted)
+            .order_by(Attempt.attempt)
+        )
     )
-    fields = {f.name: row[f.name] for f in dataclasses.fields(TaskDetail) if f.name != "attempts"}
+    durable = durable_view(
+        connection, wanted, state=row["state"], run_at=row["run_at"], parent_id=row["parent_id"]
+    )
+    fields = {
+        f.name: row[f.name] for f in dataclasses.fields(TaskDetail) if f.name not in _RELATED
+    }
     return TaskDetail(
         **fields,
-        attempts=tuple(
-            AttemptInfo(
-                attempt=a.attempt, state=a.state, worker_id=a.worker_id,
-                started_at=a.started_at, finished_at=a.finished_at, error=a.error,
-            )
-            for a in attempts
-        ),
+        attempts=attempts,
+        steps=durable.steps,
+        wait=durable.wait,
+        children=durable.children,
+        parent=durable.parent,
     )
 
 

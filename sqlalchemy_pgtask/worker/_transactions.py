@@ -1,6 +1,7 @@
 """worker._transactions: ``ctx.transaction(name)``, the fenced application transaction.
 
-The handler's session writes and the step's checkpoint commit in one transaction. The
+The handler's session writes and the step's checkpoint commit in one transaction, which the
+step owns (the session joins it through a savepoint: the block cannot commit it early). The
 checkpoint is written last, by a statement that also checks the lease fence and locks the task
 row ``FOR SHARE`` until the commit: a stale attempt's transaction finds no row and rolls back
 whole, and the lease cannot change hands between the check and the commit. The row is not
@@ -17,8 +18,8 @@ import json
 import threading
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Engine, create_engine
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+from sqlalchemy import Connection, Engine, create_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from sqlalchemy_pgtask.durable import StepKey
@@ -105,52 +106,64 @@ class _Step:
 
 
 class AsyncTransactionStep(_Step):
-    """``async with ctx.transaction(name) as session``; see `context.TransactionStep`."""
+    """``async with ctx.transaction(name) as session``; see `context.TransactionStep`.
+
+    The step owns the transaction: the session joins it through a savepoint, so the block's
+    own ``commit()`` or ``rollback()`` only ends that savepoint, and nothing the block writes
+    can commit without the checkpoint.
+    """
 
     _session: AsyncSession
+    _connection: AsyncConnection | None = None
 
     async def __aenter__(self) -> AsyncSession:
         found, value = await self._runtime.replayed(self._key, _KIND)
         self._enter(found, value)
         if self.replayed:
             self._session = AsyncSession(sync_session_class=_ReplaySession)
-        else:
-            self._session = AsyncSession(
-                self._runtime.calls.engines.async_engine, expire_on_commit=False
-            )
+            return self._session
+        connection = await self._runtime.calls.engines.async_engine.connect()
+        try:
+            await connection.begin()
+        except BaseException:
+            await connection.close()
+            raise
+        self._connection = connection
+        self._session = AsyncSession(
+            bind=connection, join_transaction_mode="create_savepoint", expire_on_commit=False
+        )
         return self._session
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        session = self._session
+        session, connection = self._session, self._connection
         try:
-            if self.replayed:
+            if connection is None:  # a replay: nothing was written
                 return exc_type is not None and issubclass(exc_type, _Refused)
-            if exc_type is not None:
-                await session.rollback()
-                return False
-            await self._commit(session)
+            if exc_type is None:
+                await session.commit()  # releases the session's savepoint, flushed
+                await self._commit(connection)
             return False
         finally:
             await session.close()
+            if connection is not None:
+                await connection.close()  # rolls back whatever was not committed
 
-    async def _commit(self, session: AsyncSession) -> None:
+    async def _commit(self, connection: AsyncConnection) -> None:
+        runtime = self._runtime
         document = self._document()
-        self._runtime.guard()
-        await session.flush()
-        row = (await session.execute(SAVE_CHECKPOINT, self._params(document))).one()
+        runtime.guard()
+        row = (await connection.execute(SAVE_CHECKPOINT, self._params(document))).one()
         if not row.held:
-            await session.rollback()
-            await self._runtime.fence_failed(suspending=False)
+            await connection.rollback()
+            await runtime.fence_failed(suspending=False)
         if not row.saved:  # an earlier try of this block committed: keep that one
-            await session.rollback()
-            found = (await self._runtime.calls.rows(
-                self._runtime, CHECKPOINT, self._runtime.params(self._key)
-            ))[0]
+            await connection.rollback()
+            found = (await runtime.calls.rows(runtime, CHECKPOINT, runtime.params(self._key)))[0]
             self.replayed = True
             self._stored(found.value)
             return
         try:
-            await session.commit()
+            await connection.commit()
         except Exception as exc:
             if not is_transient(exc) or await self._committed() is None:
                 raise
@@ -158,9 +171,11 @@ class AsyncTransactionStep(_Step):
 
 
 class SyncTransactionStep(_Step):
-    """``with ctx.transaction(name) as session`` in a ``def`` handler."""
+    """``with ctx.transaction(name) as session`` in a ``def`` handler; see
+    `AsyncTransactionStep`."""
 
     _session: Session
+    _connection: Connection | None = None
 
     def __enter__(self) -> Session:
         runtime = self._runtime
@@ -171,35 +186,43 @@ class SyncTransactionStep(_Step):
         self._enter(found, value)
         if self.replayed:
             self._session = _ReplaySession()
-        else:
-            engine = runtime.calls.engines.sync_engine()
-            self._session = Session(engine, expire_on_commit=False)
+            return self._session
+        connection = runtime.calls.engines.sync_engine().connect()
+        try:
+            connection.begin()
+        except BaseException:
+            connection.close()
+            raise
+        self._connection = connection
+        self._session = Session(
+            bind=connection, join_transaction_mode="create_savepoint", expire_on_commit=False
+        )
         return self._session
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        session = self._session
+        session, connection = self._session, self._connection
         try:
-            if self.replayed:
+            if connection is None:
                 return exc_type is not None and issubclass(exc_type, _Refused)
-            if exc_type is not None:
-                session.rollback()
-                return False
-            self._commit(session)
+            if exc_type is None:
+                session.commit()
+                self._commit(connection)
             return False
         finally:
             session.close()
+            if connection is not None:
+                connection.close()
 
-    def _commit(self, session: Session) -> None:
+    def _commit(self, connection: Connection) -> None:
         runtime = self._runtime
         document = self._document()
         runtime.guard()
-        session.flush()
-        row = session.execute(SAVE_CHECKPOINT, self._params(document)).one()
+        row = connection.execute(SAVE_CHECKPOINT, self._params(document)).one()
         if not row.held:
-            session.rollback()
+            connection.rollback()
             runtime.call(runtime.fence_failed(suspending=False))
         if not row.saved:
-            session.rollback()
+            connection.rollback()
             found = runtime.call(
                 runtime.calls.rows(runtime, CHECKPOINT, runtime.params(self._key))
             )
@@ -207,9 +230,8 @@ class SyncTransactionStep(_Step):
             self._stored(found[0].value)
             return
         try:
-            session.commit()
+            connection.commit()
         except Exception as exc:
             if not is_transient(exc) or runtime.call(self._committed()) is None:
                 raise
         self._stored(json.loads(document))
-

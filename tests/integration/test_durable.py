@@ -12,13 +12,14 @@ import uuid
 from collections import Counter
 from typing import Any
 
-from sqlalchemy import Column, Integer, MetaData, Table, Text, func, select
+from sqlalchemy import Column, Integer, MetaData, Table, Text, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from sqlalchemy_pgtask import (
     Checkpoint,
     ChildResult,
     InvalidOptionError,
+    LeaseLost,
     PayloadError,
     Registry,
     ReplayMismatch,
@@ -26,13 +27,17 @@ from sqlalchemy_pgtask import (
     RetryPolicy,
     Suspended,
     SyncTaskContext,
+    Task,
     TaskContext,
+    Wait,
     WorkerOptions,
+    cancel_async,
     emit_signal_async,
+    statements,
 )
 from sqlalchemy_pgtask.testing import DatabaseClock, running_worker, wait_until
 from tests.support.tasks import add, attempt_rows, task_row, wait_for_state
-from tests.support.waiting import PATIENCE
+from tests.support.waiting import PATIENCE, wait_event
 
 OPTIONS = WorkerOptions(lease_duration=5.0, shutdown_grace=2.0, poll_interval=0.5)
 AGAIN = RetryPolicy.fixed(0.0, jitter=False)
@@ -497,3 +502,168 @@ async def test_a_changed_step_kind_is_a_replay_mismatch(
 
 
 
+
+
+async def test_a_suspended_task_resumes_only_on_its_own_handler_version(
+    pgtask_database_url: str, pgtask_async_engine: AsyncEngine, pgtask_clock: DatabaseClock
+) -> None:
+    """The versioning rule: checkpoints belong to a handler version; a worker without that
+    version leaves the task pending and spends nothing; one with it resumes the replay."""
+    calls: Counter[str] = Counter()
+
+    def versions(*registered: int) -> Registry:
+        registry = Registry()
+        if 1 in registered:
+
+            @registry.task("versioned", version=1, max_attempts=1)
+            async def v1(ctx: TaskContext, payload: None) -> str:
+                await ctx.step("old-step", lambda: calls.update(["v1 step"]) or "old")
+                await ctx.sleep_for("old-nap", 3600)
+                return "finished by v1"
+
+        if 2 in registered:
+
+            @registry.task("versioned", version=2, max_attempts=1)
+            async def v2(ctx: TaskContext, payload: None) -> str:
+                calls["v2"] += 1
+                return "v2"
+
+        return registry
+
+    old = await add(pgtask_async_engine, "versioned", version=1)
+    async with running_worker(versions(1), pgtask_database_url, OPTIONS):
+        await suspended(pgtask_async_engine, old)
+    pgtask_clock.advance(3601)
+
+    # Only version 2 deployed: the woken v1 task is due, but this worker never claims it.
+    new = await add(pgtask_async_engine, "versioned", version=2)
+    async with running_worker(versions(2), pgtask_database_url, OPTIONS):
+        assert (await wait_for_state(pgtask_async_engine, new, timeout=PATIENCE))["result"] == "v2"
+    row = await task_row(pgtask_async_engine, old)
+    assert (row["state"], row["attempt"], row["failed_attempts"]) == ("pending", 1, 0)
+
+    # With version 1 still registered beside 2, the v1 task replays its own checkpoints.
+    async with running_worker(versions(1, 2), pgtask_database_url, OPTIONS):
+        row = await wait_for_state(pgtask_async_engine, old, timeout=PATIENCE)
+    assert (row["state"], row["result"], row["attempt"]) == ("succeeded", "finished by v1", 2)
+    assert calls == Counter({"v1 step": 1, "v2": 1})
+
+
+async def test_a_finishing_parent_cancels_its_unfinished_children_and_their_waits(
+    pgtask_database_url: str, pgtask_async_engine: AsyncEngine
+) -> None:
+    registry = Registry()
+
+    @registry.task("patient-child")
+    async def patient_child(ctx: TaskContext, payload: None) -> None:
+        await ctx.spawn("grandchild", "unserved", queue="nobody-serves-this")
+        await ctx.wait_for_signal("never", "never", timeout=3600)
+
+    @registry.task("hasty-parent", max_attempts=1)
+    async def hasty_parent(ctx: TaskContext, payload: None) -> str:
+        child = await ctx.spawn("child", patient_child)
+        await ctx.wait_for_signal("go", "go")
+        return str(child)
+
+    parent = await add(pgtask_async_engine, "hasty-parent")
+    async with running_worker(registry, pgtask_database_url, OPTIONS):
+        await suspended(pgtask_async_engine, parent)
+
+        async def child_waiting() -> bool:
+            async with pgtask_async_engine.connect() as conn:
+                return bool((await conn.execute(
+                    select(func.count()).select_from(Wait).where(Wait.kind == "signal")
+                )).scalar_one() == 2)
+
+        await wait_until(child_waiting, PATIENCE, message="parent and child both waiting")
+        async with pgtask_async_engine.begin() as conn:
+            await emit_signal_async(conn, parent, "go")
+        row = await wait_for_state(pgtask_async_engine, parent, timeout=PATIENCE)
+    assert row["state"] == "succeeded"
+    child = await task_row(pgtask_async_engine, uuid.UUID(row["result"]))
+    assert child["state"] == "cancelled"
+    assert child["error"] == {
+        "type": "cancelled", "reason": "ancestor_finished", "ancestor_id": str(parent)
+    }
+    async with pgtask_async_engine.connect() as conn:
+        grandchild = (await conn.execute(
+            select(Task.state, Task.error).where(Task.parent_id == child["id"])
+        )).one()
+        waits_left = (await conn.execute(select(func.count()).select_from(Wait))).scalar_one()
+    assert grandchild.state == "cancelled"
+    assert grandchild.error["ancestor_id"] == str(parent)
+    assert waits_left == 0  # the child's wait went with it: nothing can fire later
+
+
+async def test_cancelling_a_waiting_task_cancels_its_wait_so_nothing_fires_later(
+    pgtask_database_url: str, pgtask_async_engine: AsyncEngine, pgtask_clock: DatabaseClock
+) -> None:
+    registry = Registry()
+
+    @registry.task("waiter", max_attempts=1)
+    async def waiter(ctx: TaskContext, payload: None) -> Any:
+        return {"got": await ctx.wait_for_signal("approve", "approved", timeout=3600)}
+
+    cancelled = await add(pgtask_async_engine, "waiter")
+    witness = await add(pgtask_async_engine, "waiter")
+    async with running_worker(registry, pgtask_database_url, OPTIONS):
+        for task_id in (cancelled, witness):
+            await wait_for_state(pgtask_async_engine, task_id, ["waiting"], timeout=PATIENCE)
+        async with pgtask_async_engine.begin() as conn:
+            assert await cancel_async(conn, cancelled) == "cancelled"
+        pgtask_clock.advance(3601)
+        # The witness's timeout firing proves a timeout pass ran after the cancellation.
+        row = await wait_for_state(pgtask_async_engine, witness, timeout=PATIENCE)
+        assert (row["state"], row["result"]) == ("succeeded", {"got": None})
+        async with pgtask_async_engine.begin() as conn:
+            await emit_signal_async(conn, cancelled, "approved", "too late")
+    row = await task_row(pgtask_async_engine, cancelled)
+    assert (row["state"], row["result"], row["attempt"]) == ("cancelled", None, 1)
+    assert await checkpoints(pgtask_async_engine, cancelled) == {}
+
+
+async def test_a_stale_attempt_racing_a_fresh_one_writes_the_business_row_once(
+    pgtask_database_url: str, pgtask_async_engine: AsyncEngine
+) -> None:
+    async with pgtask_async_engine.begin() as conn:
+        await conn.run_sync(app_metadata.create_all)
+    inside, release = threading.Event(), threading.Event()
+    endings: list[str] = []
+    registry = Registry()
+
+    @registry.task("stale-race", max_attempts=5)
+    def racer(ctx: SyncTaskContext, payload: None) -> int:
+        try:
+            with ctx.transaction("insert") as session:
+                session.execute(orders.insert().values(note=f"attempt {ctx.attempt}"))
+                session.commit()  # ends only the block's savepoint: nothing commits yet
+                if ctx.attempt == 1:
+                    inside.set()
+                    release.wait(PATIENCE)
+        except LeaseLost:
+            endings.append(f"attempt {ctx.attempt}: lease lost")
+            raise
+        endings.append(f"attempt {ctx.attempt}: committed")
+        return ctx.attempt
+
+    task_id = await add(pgtask_async_engine, "stale-race")
+    options = WorkerOptions(lease_duration=5.0, concurrency=2, poll_interval=0.5)
+    async with running_worker(registry, pgtask_database_url, options):
+        await wait_event(inside)
+        # Attempt 1 is still inside its transaction when its lease expires and the task is
+        # recovered: attempt 2 starts, runs the block and commits it.
+        async with pgtask_async_engine.begin() as conn:
+            await conn.execute(
+                update(Task).where(Task.id == task_id).values(
+                    lease_expires_at=func.pgtask.now() - text("interval '1 second'")
+                )
+            )
+            assert len((await conn.execute(statements.RECOVER, {"limit": 10})).all()) == 1
+        row = await wait_for_state(pgtask_async_engine, task_id, timeout=PATIENCE)
+        assert (row["state"], row["result"]) == ("succeeded", 2)
+        release.set()  # the stale attempt now tries to commit its block
+        await wait_until(lambda: len(endings) == 2, PATIENCE, message="the stale attempt ended")
+    assert endings == ["attempt 2: committed", "attempt 1: lease lost"]
+    async with pgtask_async_engine.connect() as conn:
+        notes = (await conn.execute(select(orders.c.note))).scalars().all()
+    assert notes == ["attempt 2"]

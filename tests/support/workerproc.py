@@ -378,11 +378,18 @@ class WorkerProcess:
 
 
 class WorkerLauncher:
-    """Starts worker subprocesses for one test and guarantees none outlives it."""
+    """Starts worker subprocesses for one test and guarantees none outlives it.
 
-    def __init__(self, directory: Path, database: Database) -> None:
+    ``target`` is the ``module:registry`` every worker runs (``tasks_app:registry``, written
+    by `write_tasks_app`, unless a test brings its own module).
+    """
+
+    def __init__(
+        self, directory: Path, database: Database, target: str = "tasks_app:registry"
+    ) -> None:
         self.directory = directory
         self.database = database
+        self.target = target
         self.processes: list[WorkerProcess] = []
 
     def start(
@@ -395,11 +402,11 @@ class WorkerLauncher:
         env: Mapping[str, str] | None = None,
         wait_ready: bool = True,
     ) -> WorkerProcess:
-        """Start ``pgtask worker tasks_app:registry`` and (by default) wait until it is live."""
+        """Start ``pgtask worker TARGET`` and (by default) wait until it is live."""
         index = len(self.processes)
         log_path = self.directory / f"worker-{index}.log"
         command = [
-            str(PGTASK), "worker", "tasks_app:registry",
+            str(PGTASK), "worker", self.target,
             "--database-url", self.database.url,
             "--lease-duration", str(lease),
             "--poll-interval", str(poll),

@@ -11,9 +11,14 @@ Create Date: 2026-12-01
   transaction. It runs after the foreign-key check, which waits for a task row locked by a
   wait being registered, so a signal and a wait never miss each other.
 * Lock order: every change of a waiting task locks the task row before it reads or deletes
-  the task's wait (the triggers, the timeout pass, cancellation), so they never deadlock.
+  the task's wait (the triggers, the timeout pass, cancellation). A task that ends locks its
+  descendants after itself; a child that ends locks its waiting parent after itself, with
+  ``NOWAIT`` (SQLSTATE 55P03 when the parent is held, and the writer tries again), so the two
+  never deadlock.
 * ``tasks_child_finished``: a child that becomes terminal wakes its parent waiting for its
-  result, with the child's state, result and error as the parent's checkpoint.
+  result, with the child's state, result and error as the parent's checkpoint; under
+  REPEATABLE READ or SERIALIZABLE it always locks the parent, so a wait registered after the
+  snapshot raises a serialization error instead of being missed.
 * ``tasks_left_waiting``: a task that leaves ``waiting`` by any path (woken, timed out,
   cancelled) loses its wait row, so no stale wait fires later.
 * ``tasks_cancel_descendants``: a task that becomes terminal by any path (success, failure,
@@ -73,12 +78,23 @@ CREATE FUNCTION pgtask.child_finished() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
     w pgtask.waits%ROWTYPE;
 BEGIN
-    PERFORM 1 FROM pgtask.waits
-    WHERE task_id = NEW.parent_id AND kind = 'child' AND child_id = NEW.id;
-    IF NOT FOUND THEN
-        RETURN NULL;
+    -- Under READ COMMITTED each statement here sees what committed before it began, so a
+    -- parent that does not wait for this child needs no lock. Under a snapshot isolation a
+    -- wait registered after the snapshot would be invisible: lock the parent first, which
+    -- fails with a serialization error if its row changed since (registering a wait changes
+    -- it), and the caller's retry then sees the wait.
+    IF current_setting('transaction_isolation') = 'read committed' THEN
+        PERFORM 1 FROM pgtask.waits
+        WHERE task_id = NEW.parent_id AND kind = 'child' AND child_id = NEW.id;
+        IF NOT FOUND THEN
+            RETURN NULL;
+        END IF;
     END IF;
-    PERFORM 1 FROM pgtask.tasks WHERE id = NEW.parent_id FOR NO KEY UPDATE;
+    -- A child is locked before its parent here, a parent before its children where a task
+    -- ends (tasks_cancel_descendants): never wait for the parent, or the two could deadlock.
+    -- Whoever holds it holds it briefly or is ending it; this statement fails at once with
+    -- SQLSTATE 55P03 instead, and is tried again (the worker writes outcomes again).
+    PERFORM 1 FROM pgtask.tasks WHERE id = NEW.parent_id FOR NO KEY UPDATE NOWAIT;
     SELECT * INTO w FROM pgtask.waits
     WHERE task_id = NEW.parent_id AND kind = 'child' AND child_id = NEW.id;
     IF FOUND THEN
