@@ -81,7 +81,7 @@ TASKS_SOURCE = textwrap.dedent(
             # an explicit BEGIN ... COMMIT; other connections count at their commit.
             if conn.get_execution_options().get("isolation_level") != "AUTOCOMMIT":
                 return
-            if statement == "BEGIN":
+            if statement.startswith("BEGIN"):
                 conn.info["pgtask_bench_in_tx"] = True
             elif statement == "COMMIT":
                 conn.info["pgtask_bench_in_tx"] = False

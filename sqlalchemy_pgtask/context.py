@@ -119,6 +119,8 @@ class TaskContext(BaseTaskContext):
     async def step(self, name: str, fn: Callable[[], Any], *, occurrence: int = 0) -> Any:
         """Run ``fn`` (a function or coroutine function of no arguments) once per task.
 
+        ``fn`` runs on the worker's event loop: it must not block (make it async for I/O).
+
         Its result must be JSON (at most 1 MiB); it is stored under (handler version,
         ``name``, ``occurrence``) in a write fenced by this attempt's lease, and the value
         returned is the stored one, as JSON reads it back (a tuple comes back as a list). A
@@ -222,8 +224,8 @@ class TaskContext(BaseTaskContext):
     ) -> ChildResult:
         """Wait, without a worker slot, until a direct child of this task ends.
 
-        On timeout (database time) the child and its whole subtree are cancelled and the
-        result's state is ``"timeout"``.
+        On timeout (database time) the result's state is ``"timeout"`` and the child is
+        cancelled (a running child by a cancel request; its subtree goes when it ends).
 
         :raises InvalidOptionError: ``child_id`` is not a direct child of this task.
         """

@@ -36,7 +36,7 @@ class ChildResult(NamedTuple):
     """How a child task ended, as `wait_for_result` returns it.
 
     ``state`` is ``"succeeded"``, ``"failed"`` or ``"cancelled"``, or ``"timeout"`` when the
-    wait timed out (the child was then cancelled).
+    wait timed out (the child was then cancelled, or asked to stop if it was running).
     """
 
     state: str

@@ -153,7 +153,6 @@ class Wait(Base):
         ),
         CheckConstraint("(kind = 'child') = (child_id IS NOT NULL)", name="child"),
         Index("ix_waits_timeout_at", "timeout_at", postgresql_where=text("timeout_at IS NOT NULL")),
-        Index("ix_waits_child_id", "child_id", postgresql_where=text("child_id IS NOT NULL")),
     )
 
     task_id: Mapped[uuid.UUID] = mapped_column(

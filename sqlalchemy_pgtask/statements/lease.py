@@ -3,7 +3,11 @@
 Every statement a running attempt causes is fenced by (id, state, attempt, lease token), and
 takes its rows with ``FOR NO KEY UPDATE SKIP LOCKED``: a row that somebody else holds locked
 (``cancel()`` inside a long business transaction, say) is skipped and reported as not written,
-never waited for. The caller tells a skipped row from a lost lease by reading `LEASES`.
+never waited for. The caller tells a skipped row from a lost lease by reading `LEASES`. What
+the triggers of an outcome touch beyond the task rows is another matter: a finished task
+cancels its unfinished descendants (waiting for their rows, up to ``lock_timeout``), and a
+finished child wakes its waiting parent (failing at once, SQLSTATE 55P03, if another
+transaction holds the parent). The worker then writes its outcomes one at a time.
 
 The fence state is not a literal ``'running'``: that would match the partial lease index, and
 the plan would then walk every running row (and every dead entry not yet vacuumed) for each row

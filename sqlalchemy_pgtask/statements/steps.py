@@ -1,11 +1,13 @@
 """statements.steps: checkpoints, durable sleep and child spawning; no I/O.
 
 Every write a durable call of a running handler makes is fenced like an outcome: it matches
-the task id, the running state, the attempt number and the lease token, and locks the task row
-so the lease cannot change before the write commits. A checkpoint's key is (task, handler
-version, step, occurrence); the first committed value wins and is never changed. A sleep ends
-the attempt as ``suspended`` in the statement that records it: the lease is cleared, so the
-worker's slot is free at once, and a suspension never counts as a failed attempt.
+the task id, the running state, the attempt number and the lease token, and locks a row so the
+lease cannot change before the write commits (a checkpoint: the attempt's row, which renewals
+never touch; a sleep or a spawn: the task row, which they update anyway). A checkpoint's key
+is (task, handler version, step, occurrence); the first committed value wins and is never
+changed. A sleep ends the attempt as ``suspended`` in the statement that records it: the lease
+is cleared, so the worker's slot is free at once, and a suspension never counts as a failed
+attempt.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from sqlalchemy_pgtask.statements._common import (
     NOW,
     TSTZ,
     UUID_T,
+    attempts,
     checkpoints,
+    running_state,
     seconds,
     tasks,
 )
@@ -78,7 +82,22 @@ FENCE_STATE: Final = select(
 
 
 def _save_checkpoint() -> Select[Any]:
-    fence = fenced(tasks.c.id).with_for_update(read=True).cte("fence")
+    # The lock is on the attempt's row, which only the end of the attempt changes (complete,
+    # fail, release, suspend, recovery): a renewal never waits for it, and a transaction at
+    # REPEATABLE READ (``ctx.transaction`` on such an engine) is not failed by renewals that
+    # changed the task row after its snapshot.
+    fence = (
+        fenced(tasks.c.id)
+        .join_from(tasks, attempts, attempts.c.task_id == tasks.c.id)
+        .where(
+            attempts.c.task_id == task_bind(),
+            attempts.c.attempt == bind("attempt_number", Integer),
+            attempts.c.lease_token == bind("token", UUID_T),
+            attempts.c.state == running_state(),
+        )
+        .with_for_update(read=True, of=attempts)
+        .cte("fence")
+    )
     saved = (
         pg_insert(checkpoints)
         .from_select(
@@ -95,10 +114,11 @@ def _save_checkpoint() -> Select[Any]:
 
 
 #: Stores a checkpoint (``kind``, ``value`` as JSON text) if this attempt still holds its lease
-#: and the key is free. Locks the task row ``FOR SHARE`` until commit, so the lease cannot be
-#: taken over before the write commits. Returns ``(held, saved)``: ``saved`` false with
-#: ``held`` true means the key already had a value, which `CHECKPOINT` then reads (the first
-#: committed value wins). Binds `DurableParams` plus ``kind`` and ``value``.
+#: and the key is free. Locks the attempt's row ``FOR SHARE`` until commit, so the attempt
+#: cannot end (nor the task be claimed again) before the write commits. Returns ``(held,
+#: saved)``: ``saved`` false with ``held`` true means the key already had a value, which
+#: `CHECKPOINT` then reads (the first committed value wins). Binds `DurableParams` plus
+#: ``kind`` and ``value``.
 SAVE_CHECKPOINT: Final = _save_checkpoint()
 
 
@@ -146,7 +166,12 @@ SLEEP: Final = _sleep()
 
 
 def _spawn() -> Select[Any]:
-    fence = fenced(tasks.c.id).with_for_update(key_share=True).cte("fence")
+    fence = (
+        fenced(tasks.c.id)
+        .where(tasks.c.cancel_requested_at.is_(None))
+        .with_for_update(key_share=True)
+        .cte("fence")
+    )
     earlier = select(checkpoints.c.value).where(is_key()).cte("earlier")
     child = (
         pg_insert(tasks)
@@ -168,6 +193,9 @@ def _spawn() -> Select[Any]:
                 fence.c.id,
             ).where(~has_rows(earlier)),
         )
+        # A try whose first one still ran on a connection the client gave up on: that one
+        # committed the child and its checkpoint, which the caller then reads.
+        .on_conflict_do_nothing(index_elements=[tasks.c.id])
         .returning(tasks.c.id)
         .cte("child")
     )
@@ -180,6 +208,7 @@ def _spawn() -> Select[Any]:
                 func.jsonb_build_object(const("task_id"), child.c.id),
             ),
         )
+        .on_conflict_do_nothing(index_elements=list(CHECKPOINT_KEY))
         .returning(checkpoints.c.task_id)
         .cte("adopted")
     )
@@ -200,10 +229,12 @@ def _spawn() -> Select[Any]:
 
 
 #: Creates a child task of this attempt's task, exactly once per step key: fenced (locks the
-#: parent row); if the step's checkpoint exists, returns the child it recorded; otherwise
-#: inserts the child (``parent_id`` set; the queue's capacity applies) and its checkpoint
-#: ``{"task_id": child}`` together, and marks the parent as having children. Returns ``(held,
-#: child_id, created)``. Binds `DurableParams` plus the child's ``child_id``, ``queue``,
-#: ``name``, ``child_version``, ``payload``, ``headers``, ``priority``, ``max_attempts``,
-#: ``run_at``, ``delay``, each prefixed ``child_``.
+#: parent row; nothing when the parent's cancellation was requested); if the step's checkpoint
+#: exists, returns the child it recorded; otherwise inserts the child (``parent_id`` set; the
+#: queue's capacity applies) and its checkpoint ``{"task_id": child}`` together, and marks the
+#: parent as having children. Returns ``(held, child_id, created)``; ``child_id`` is NULL when
+#: an earlier try of this call committed after this statement's snapshot (read the checkpoint).
+#: Binds `DurableParams` plus the child's ``id``, ``queue``, ``name``, ``version``,
+#: ``payload``, ``headers``, ``priority``, ``max_attempts``, ``run_at``, ``delay``, each
+#: prefixed ``child_``.
 SPAWN: Final = _spawn()

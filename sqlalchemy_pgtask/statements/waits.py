@@ -9,8 +9,9 @@ Lock order: a change of a waiting task locks the task row before it reads or del
 task's wait. Registering a result wait locks the parent, then the child (``FOR SHARE``); a task
 that ends locks its descendants after itself (trigger ``tasks_cancel_descendants``); a child
 that ends locks its waiting parent after itself but never waits for it (trigger
-``tasks_child_finished``, ``NOWAIT``); the timeout pass skips what others hold. Nothing here can
-deadlock.
+``tasks_child_finished``, ``NOWAIT``); the timeout pass skips what others hold. The cascade's
+order among descendants follows its plan; a deadlock PostgreSQL detects there aborts one side,
+which the worker retries.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def _register_wait(
 ) -> Select[Any]:
     """Checkpoint what ``found`` holds (one row: the awaited event already happened) as
     ``value``, or store a wait with the ``wait`` columns and suspend the attempt."""
-    # Already locked by LOCK_FOR_WAIT; checked again so the statement is safe on its own.
+    # Must follow LOCK_FOR_WAIT in the same transaction (that lock is the fence: this
+    # unlocked check only repeats it, to write nothing once the lease is gone).
     fence = fenced(tasks.c.id).cte("fence")
     stored = (
         pg_insert(checkpoints)

@@ -8,10 +8,12 @@ retried:
   set aside to be written on a later try, while other outcomes go on being written;
 * a transient failure (the connection broke) leaves the commit's outcome unknown: the lease
   state is re-read, and what is still held is written again;
-* a batch the database rejects is written one outcome at a time, so one bad outcome cannot
-  hold the others back; an outcome rejected on its own is recorded as an ``outcome_rejected``
-  failure instead. If even that is refused, the installation is broken (permissions, schema):
-  the completer raises and the worker stops rather than renew leases it can never settle.
+* a batch the database rejects, or that had to wait for a lock another transaction holds (a
+  finished child's waiting parent, a descendant its end cancels), is written one outcome at
+  a time, so one outcome cannot hold the others back; an outcome rejected on its own is
+  recorded as an ``outcome_rejected`` failure instead. If even that is refused, the
+  installation is broken (permissions, schema): the completer raises and the worker stops
+  rather than renew leases it can never settle.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from sqlalchemy_pgtask import statements
@@ -98,6 +101,12 @@ class Completer:
             except Exception as exc:
                 if not is_transient(exc):
                     logger.exception("writing %d outcome(s) failed; one by one now", len(pending))
+                    return await self._one_by_one(pending)
+                if len(pending) > 1 and _lock_not_available(exc):
+                    # A row one outcome needs (its waiting parent, a descendant it cancels)
+                    # is held by another transaction: write the others now, that one later.
+                    logger.info("writing outcomes waited for a lock (%s); one by one now",
+                                brief(exc))
                     return await self._one_by_one(pending)
                 logger.warning("writing outcomes failed (%s); retrying", brief(exc))
                 await asyncio.sleep(backoff.next())
@@ -180,6 +189,12 @@ class Completer:
                     raise  # not even a failure can be recorded: the installation is broken
                 later.append(fallback)
         return later
+
+
+def _lock_not_available(exc: BaseException) -> bool:
+    """SQLSTATE 55P03: a ``NOWAIT`` lock, or one that ran out of ``lock_timeout``."""
+    cause = exc.orig if isinstance(exc, DBAPIError) else exc
+    return getattr(cause, "sqlstate", None) == "55P03"
 
 
 async def _execute(

@@ -206,6 +206,7 @@ class DurableAttempt:
         found, _ = await self.replayed(key, "sleep")
         if found:
             return
+        self.retried = False
         params = {**self.params(key), "delay": seconds, "wake_at": when}
         row = (await self.calls.rows(self, SLEEP, params))[0]
         if not row.held:
@@ -223,6 +224,7 @@ class DurableAttempt:
         found, value = await self.replayed(key, "signal")
         if found:
             return _signal_value(value)
+        self.retried = False
         params = {
             **self.params(key), "signal": name, "signal_occurrence": number, "timeout": seconds,
         }
@@ -284,8 +286,12 @@ class DurableAttempt:
             spawned = (await self.calls.rows(self, SPAWN, params))[0]
         if not spawned.held:
             await self.fence_failed(suspending=False)
-        self.remember(key, "spawn", {"task_id": str(spawned.child_id)})
-        return uuid.UUID(str(spawned.child_id))
+        child = spawned.child_id
+        if child is None:  # an earlier try committed after this statement's snapshot
+            stored = (await self.calls.rows(self, CHECKPOINT, self.params(key)))[0]
+            child = stored.value["task_id"]
+        self.remember(key, "spawn", {"task_id": str(child)})
+        return uuid.UUID(str(child))
 
     async def wait_for_result(
         self, key: StepKey, child_id: object, timeout: object
@@ -295,6 +301,7 @@ class DurableAttempt:
         found, value = await self.replayed(key, "result")
         if found:
             return _child_result(value)
+        self.retried = False
         params = {**self.params(key), "child_id": child, "timeout": seconds}
 
         async def register(connection: AsyncConnection) -> Row[Any] | str | None:
@@ -338,14 +345,21 @@ class DurableAttempt:
         if running is self.loop:
             coroutine.close()
             raise RuntimeError("a SyncTaskContext cannot be used on the worker's event loop")
-        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        try:
+            future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        except RuntimeError:  # the loop is closed: the worker is gone
+            coroutine.close()
+            raise LeaseLost("the worker stopped") from None
         while True:
-            try:
-                return future.result(timeout=0.5)
-            except concurrent.futures.TimeoutError:
-                if self.loop.is_closed():
-                    future.cancel()
-                    raise LeaseLost("the worker stopped") from None
+            done, _ = concurrent.futures.wait([future], timeout=0.5)
+            if done:
+                break
+            if self.loop.is_closed():
+                future.cancel()
+                raise LeaseLost("the worker stopped")
+        if future.cancelled():  # the worker stopped and cancelled what ran on its loop
+            raise LeaseLost("the worker stopped")
+        return future.result()
 
 
 def _signal_value(value: Any) -> Any:

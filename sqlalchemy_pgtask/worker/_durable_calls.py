@@ -78,7 +78,7 @@ class DurableCalls:
                 async with self._connection() as connection:
                     if not transaction:
                         return await body(connection)
-                    await connection.exec_driver_sql("BEGIN")
+                    await connection.exec_driver_sql("BEGIN ISOLATION LEVEL READ COMMITTED")
                     result = await body(connection)
                     await connection.exec_driver_sql("COMMIT")
                     return result

@@ -126,6 +126,9 @@ class Executor:
         self._sink = sink
         self._worker_id = worker_id
         self._threads = HandlerThreads()
+        #: Every handler coroutine not yet ended, suspended ones still unwinding included
+        #: (they left the book's active attempts when their lease went).
+        self._handles: set[asyncio.Task[None]] = set()
 
     def start(self, row: Row[Any], sent: float) -> None:
         definition = self._registry.get(row.queue, row.name, row.version)
@@ -159,7 +162,10 @@ class Executor:
                 "task %s %s v%d attempt %d started", ctx.task_id, ctx.name, ctx.version,
                 ctx.attempt, extra=_extra(attempt),
             )
-        attempt.handle = asyncio.create_task(self._execute(attempt), name=f"pgtask-{row.id}")
+        handle = asyncio.create_task(self._execute(attempt), name=f"pgtask-{row.id}")
+        attempt.handle = handle
+        self._handles.add(handle)
+        handle.add_done_callback(self._handles.discard)
 
     async def _execute(self, attempt: ActiveAttempt) -> None:
         ctx, definition = attempt.ctx, attempt.definition
@@ -267,7 +273,7 @@ class Executor:
             attempt.handle.cancel()
 
     def handles(self) -> list[asyncio.Task[None]]:
-        return [a.handle for a in self._book.active.values() if a.handle is not None]
+        return list(self._handles)
 
     def close(self) -> None:
         self._threads.close()

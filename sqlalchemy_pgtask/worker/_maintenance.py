@@ -34,6 +34,8 @@ logger = logging.getLogger("sqlalchemy_pgtask.worker")
 
 #: Most batches one pass of a batched service runs before yielding to the next service.
 MAX_BATCHES_PER_PASS = 16
+#: Seconds before looking again at due waits that other transactions held.
+_HELD_RETRY = 0.5
 
 
 class MaintenanceService(Protocol):
@@ -80,16 +82,24 @@ class WaitTimeouts:
         self._batch = batch_size
 
     async def run_once(self, connection: AsyncConnection) -> float | None:
+        woken = 0
         for _ in range(MAX_BATCHES_PER_PASS):
             rows = (
                 await connection.execute(statements.WAIT_TIMEOUTS, {"limit": self._batch})
             ).all()
+            woken += len(rows)
             if rows:
                 logger.info("%d wait(s) timed out", len(rows))
             if len(rows) < self._batch:
                 break
         due = (await connection.execute(statements.NEXT_WAIT_TIMEOUT)).scalar()
-        return None if due is None else max(0.0, float(due))
+        if due is None:
+            return None
+        if due <= 0 and not woken:
+            # Due, yet nothing could be taken: another transaction holds those rows. Look
+            # again in a moment rather than spin.
+            return min(self.interval, _HELD_RETRY)
+        return max(0.0, float(due))
 
 
 class WorkerPruning:

@@ -75,7 +75,7 @@ class WorkerOptions:
     #: Connections the worker holds for handlers' durable calls (steps, sleeps, waits,
     #: spawns); each call takes one for a single statement. ``ctx.transaction`` blocks use
     #: the engine's pool instead.
-    durable_connections: int = 2
+    durable_connections: int = 4
     #: Due wait timeouts handled per statement (up to 16 statements per pass).
     wait_timeout_batch_size: int = 100
 

@@ -103,6 +103,10 @@ class HeldConnection:
         self._settings = (
             ("lock_timeout", _milliseconds(lock_timeout)),
             ("statement_timeout", _milliseconds(statement_timeout)),
+            # Every statement (and the short transactions of durable waits) relies on READ
+            # COMMITTED: a fresh snapshot per statement, and rechecks of rows it had to wait
+            # for. A database whose default is REPEATABLE READ must not change that.
+            ("default_transaction_isolation", "read committed"),
             *planner,
         )
         self._connection: AsyncConnection | None = None

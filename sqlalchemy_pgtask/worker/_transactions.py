@@ -2,10 +2,11 @@
 
 The handler's session writes and the step's checkpoint commit in one transaction, which the
 step owns (the session joins it through a savepoint: the block cannot commit it early). The
-checkpoint is written last, by a statement that also checks the lease fence and locks the task
-row ``FOR SHARE`` until the commit: a stale attempt's transaction finds no row and rolls back
-whole, and the lease cannot change hands between the check and the commit. The row is not
-locked while the block runs, so a long transaction never holds up lease renewal.
+checkpoint is written last, by a statement that also checks the lease fence and locks the
+attempt's row ``FOR SHARE`` until the commit: a stale attempt's transaction finds no row and
+rolls back whole, and the attempt cannot end (nor the task change hands) between the check
+and the commit. Renewals never touch that row, so even a long block at REPEATABLE READ is not
+failed by them.
 
 A replay (an earlier attempt committed the block) yields a session that refuses database
 access: the block ends quietly at its first statement and nothing is written; the stored
@@ -78,6 +79,7 @@ class _Step:
         #: An earlier attempt committed this block; nothing was written now.
         self.replayed = False
         self._entered = False
+        self._replayed_value: Any = None
 
     def _enter(self, found: bool, value: Any) -> None:
         if self._entered:
@@ -85,7 +87,13 @@ class _Step:
         self._entered = True
         if found:
             self.replayed = True
+            self._replayed_value = value
             self.result = value.get("result")
+
+    def _replay_exit(self, exc_type: Any) -> bool:
+        """End a replayed block: the stored result wins over whatever the block set."""
+        self.result = self._replayed_value.get("result")
+        return exc_type is not None and issubclass(exc_type, _Refused)
 
     def _document(self) -> str:
         return dump_json(f"transaction {self._key[0]!r} result", {"result": self.result},
@@ -138,7 +146,7 @@ class AsyncTransactionStep(_Step):
         session, connection = self._session, self._connection
         try:
             if connection is None:  # a replay: nothing was written
-                return exc_type is not None and issubclass(exc_type, _Refused)
+                return self._replay_exit(exc_type)
             if exc_type is None:
                 await session.commit()  # releases the session's savepoint, flushed
                 await self._commit(connection)
@@ -165,8 +173,11 @@ class AsyncTransactionStep(_Step):
         try:
             await connection.commit()
         except Exception as exc:
-            if not is_transient(exc) or await self._committed() is None:
+            committed = await self._committed() if is_transient(exc) else None
+            if committed is None:
                 raise
+            self._stored(committed)
+            return
         self._stored(json.loads(document))
 
 
@@ -203,7 +214,7 @@ class SyncTransactionStep(_Step):
         session, connection = self._session, self._connection
         try:
             if connection is None:
-                return exc_type is not None and issubclass(exc_type, _Refused)
+                return self._replay_exit(exc_type)
             if exc_type is None:
                 session.commit()
                 self._commit(connection)
@@ -232,6 +243,9 @@ class SyncTransactionStep(_Step):
         try:
             connection.commit()
         except Exception as exc:
-            if not is_transient(exc) or runtime.call(self._committed()) is None:
+            committed = runtime.call(self._committed()) if is_transient(exc) else None
+            if committed is None:
                 raise
+            self._stored(committed)
+            return
         self._stored(json.loads(document))

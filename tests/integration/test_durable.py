@@ -13,7 +13,7 @@ from collections import Counter
 from typing import Any
 
 from sqlalchemy import Column, Integer, MetaData, Table, Text, func, select, text, update
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from sqlalchemy_pgtask import (
     Checkpoint,
@@ -667,3 +667,101 @@ async def test_a_stale_attempt_racing_a_fresh_one_writes_the_business_row_once(
     async with pgtask_async_engine.connect() as conn:
         notes = (await conn.execute(select(orders.c.note))).scalars().all()
     assert notes == ["attempt 2"]
+
+
+async def test_a_fenced_transaction_on_a_repeatable_read_engine_outlives_lease_renewals(
+    pgtask_database_url: str, pgtask_async_engine: AsyncEngine
+) -> None:
+    async with pgtask_async_engine.begin() as conn:
+        await conn.run_sync(app_metadata.create_all)
+    url = pgtask_async_engine.url
+    engine = create_async_engine(url, isolation_level="REPEATABLE READ")
+    registry = Registry()
+
+    async def lease_expiry(task_id: uuid.UUID) -> Any:
+        return (await task_row(pgtask_async_engine, task_id))["lease_expires_at"]
+
+    @registry.task("rr-order", max_attempts=1)
+    async def rr_order(ctx: TaskContext, payload: None) -> int:
+        async with ctx.transaction("insert") as session:
+            await session.execute(orders.insert().values(note="once"))
+            before = await lease_expiry(ctx.task_id)
+            # A renewal changes the task row after this transaction's snapshot.
+
+            async def renewed() -> bool:
+                return bool(await lease_expiry(ctx.task_id) > before)
+
+            await wait_until(renewed, PATIENCE, message="a lease renewal during the block")
+        return ctx.attempt
+
+    task_id = await add(pgtask_async_engine, "rr-order")
+    try:
+        async with running_worker(
+            registry, engine, WorkerOptions(lease_duration=0.9, poll_interval=0.5)
+        ):
+            row = await wait_for_state(pgtask_async_engine, task_id, timeout=PATIENCE)
+    finally:
+        await engine.dispose()
+    assert (row["state"], row["result"]) == ("succeeded", 1), row["error"]
+    async with pgtask_async_engine.connect() as conn:
+        assert (await conn.execute(select(orders.c.note))).scalars().all() == ["once"]
+
+
+async def test_a_replayed_transaction_block_keeps_the_stored_result(
+    pgtask_database_url: str, pgtask_async_engine: AsyncEngine
+) -> None:
+    async with pgtask_async_engine.begin() as conn:
+        await conn.run_sync(app_metadata.create_all)
+    registry = Registry()
+
+    @registry.task("recompute", retry=AGAIN, max_attempts=2)
+    async def recompute(ctx: TaskContext, payload: None) -> Any:
+        tx = ctx.transaction("insert")
+        async with tx as session:
+            tx.result = f"computed by attempt {ctx.attempt}"  # before any database access
+            await session.execute(orders.insert().values(note=f"attempt {ctx.attempt}"))
+        if ctx.attempt == 1:
+            raise RuntimeError("replay the block")
+        return tx.result
+
+    task_id = await add(pgtask_async_engine, "recompute")
+    async with running_worker(registry, pgtask_database_url, OPTIONS):
+        row = await wait_for_state(pgtask_async_engine, task_id, timeout=PATIENCE)
+    assert (row["state"], row["result"]) == ("succeeded", "computed by attempt 1")
+
+
+async def test_a_signal_wait_sees_a_signal_committed_while_it_waited_for_the_task_lock(
+    pgtask_database_url: str, pgtask_async_engine: AsyncEngine
+) -> None:
+    # The database's default isolation is REPEATABLE READ: the worker's wait registration
+    # must still take a fresh snapshot after its lock, or it misses the signal committed
+    # while it waited and waits for ever.
+    database = pgtask_async_engine.url.database
+    async with pgtask_async_engine.connect() as conn:
+        await conn.execute(text(
+            f'ALTER DATABASE "{database}" SET default_transaction_isolation = \'repeatable read\''
+        ))
+        await conn.commit()
+    registry = Registry()
+
+    @registry.task("late-wait", max_attempts=1)
+    async def late_wait(ctx: TaskContext, payload: None) -> Any:
+        return await ctx.wait_for_signal("approve", "approved")
+
+    task_id = await add(pgtask_async_engine, "late-wait")
+    async with pgtask_async_engine.connect() as emitter:
+        await emitter.execute(text("SET TRANSACTION ISOLATION LEVEL READ COMMITTED"))
+        assert await emit_signal_async(emitter, task_id, "approved", "yes") == "yes"
+        async with running_worker(registry, pgtask_database_url, OPTIONS):
+
+            async def registration_blocked() -> bool:
+                async with pgtask_async_engine.connect() as conn:
+                    return bool((await conn.execute(text(
+                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                        " AND query LIKE '%FOR UPDATE OF tasks%'"
+                    ))).scalar_one())
+
+            await wait_until(registration_blocked, PATIENCE, message="the wait registration")
+            await emitter.commit()
+            row = await wait_for_state(pgtask_async_engine, task_id, timeout=PATIENCE)
+    assert (row["state"], row["result"]) == ("succeeded", "yes")

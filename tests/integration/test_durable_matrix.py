@@ -26,9 +26,11 @@ from typing import Any, Final
 import pytest
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import OperationalError
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from sqlalchemy_pgtask import statements as st
 from sqlalchemy_pgtask.testing import DatabaseClock
+from sqlalchemy_pgtask.worker._maintenance import WaitTimeouts
 from tests.support import durable as d
 from tests.support.durable import Failure, Lease
 from tests.support.tasks import read_attempts
@@ -151,17 +153,17 @@ def test_checkpoint_failure_after_commit_keeps_the_step_and_the_next_attempt_rep
 
 
 def test_a_checkpoint_write_holds_the_lease_until_it_commits(
-    pgtask_engine: Engine, auto: Connection
+    pgtask_engine: Engine, auto: Connection, killer: Connection
 ) -> None:
     lease = running(auto)
     d.expire_lease(auto, lease.task_id)  # expired, not yet recovered: the token still fences
     with pgtask_engine.connect() as conn:
         assert tuple(d.save_checkpoint(conn, lease, "charge", 1)) == (True, True)
-        # The write locks the task row: recovery skips it rather than take the lease away
-        # from under an uncommitted checkpoint.
-        assert d.recover(auto) == []
+        # The write locks the attempt's row: recovery, which ends the attempt, waits for the
+        # checkpoint to commit rather than take the lease away from under it.
+        recovering = d.Blocked(pgtask_engine, killer, d.recover)
         conn.commit()
-    assert d.recover(auto) == [(lease.task_id, "pending")]
+    assert recovering.result() == [(lease.task_id, "pending")]
     assert d.replay(auto, lease.task_id) == {("charge", 0): ("step", 1)}
 
 
@@ -695,19 +697,21 @@ def test_a_child_finishing_during_a_timeout_pass_ends_cancelled(
     assert (finished["result"], finished["error"]) == (None, {"type": "cancelled"})
 
 
-def test_a_timeout_pass_skips_a_child_held_by_its_own_transaction_until_a_later_pass(
+def test_a_timeout_pass_does_not_wait_for_a_childs_open_transaction(
     pgtask_engine: Engine, auto: Connection, waiting_for_running_child: tuple[Lease, Lease]
 ) -> None:
     parent, child = waiting_for_running_child
     with pgtask_engine.connect() as conn:
-        # The child's fenced application transaction holds its row until it commits.
+        # The child's fenced application transaction locks its attempt, not its task row: the
+        # pass times the parent's wait out and asks the child to stop, without waiting.
         saved = d.save_checkpoint(conn, child, "invoice", {"id": 1}, kind="transaction")
         assert tuple(saved) == (True, True)
-        assert d.wait_timeouts(auto) == []
-        assert d.task_of(auto, parent.task_id)["state"] == "waiting"
+        assert d.wait_timeouts(auto) == [parent.task_id]
+        assert d.task_of(auto, child.task_id)["cancel_requested_at"] is not None
+        # The child's attempt still runs: its transaction commits with its checkpoint.
         conn.commit()
-    assert d.wait_timeouts(auto) == [parent.task_id]
-    assert d.task_of(auto, child.task_id)["cancel_requested_at"] is not None
+    assert d.checkpoints_of(auto, child.task_id) == {("invoice", 0): ("transaction", {"id": 1})}
+    assert d.task_of(auto, parent.task_id)["state"] == "pending"
 
 
 # -- parent terminal transition --------------------------------------------------------------
@@ -1037,3 +1041,83 @@ def test_cancelling_a_waiting_task_deletes_its_wait(
     assert d.complete(auto, child_lease, "late") == [(child, "cancelled")]  # by the cascade
     assert d.task_of(auto, lease.task_id) == before
     assert d.checkpoints_of(auto, lease.task_id) == expected
+
+
+# -- review findings ---------------------------------------------------------------------------
+
+
+def test_a_spawn_writes_nothing_once_cancellation_was_requested(auto: Connection) -> None:
+    # A running task whose cancellation was requested (by an operator, a cascade or a
+    # result-wait timeout) must not start new work: its spawn matches no fence.
+    lease = running(auto)
+    assert d.cancel_task(auto, lease.task_id) == "running"
+    row = d.spawn(auto, lease, "ship", "child")
+    assert (row.held, row.child_id) == (False, None)
+    assert d.checkpoints_of(auto, lease.task_id) == {}
+    assert auto.execute(text("SELECT count(*) FROM pgtask.tasks")).scalar_one() == 1
+
+
+def test_cancelling_a_waiting_parent_writes_no_result_checkpoint_for_its_cascaded_child(
+    auto: Connection,
+) -> None:
+    # The cascade cancels the child before the parent's wait row goes (triggers fire by
+    # name): the child's end must not record a result for a parent that is no longer waiting.
+    parent = running(auto, "parent")
+    child = d.spawn_child(auto, parent, "ship")
+    d.waiting_on_child(auto, parent, "await-ship", child)
+    assert d.cancel_task(auto, parent.task_id) == "cancelled"
+    assert d.task_of(auto, child)["state"] == "cancelled"
+    assert d.checkpoints_of(auto, parent.task_id) == {
+        ("ship", 0): ("spawn", {"task_id": str(child)})
+    }
+    assert d.wait_of(auto, parent.task_id) is None
+
+
+def test_a_checkpoint_write_never_holds_up_a_lease_renewal(
+    pgtask_engine: Engine, auto: Connection
+) -> None:
+    # The checkpoint fence locks the attempt's row, not the task's: a renewal (which updates
+    # the task row) neither waits for nor skips a task whose checkpoint is being written.
+    lease = running(auto)
+    with pgtask_engine.connect() as saving:
+        assert d.save_checkpoint(saving, lease, "charge", {"ok": True}).held
+        renewed = auto.execute(st.RENEW, st.renew_params([lease], 30.0)).all()
+        assert [row.id for row in renewed] == [lease.task_id]
+        saving.commit()
+    assert d.checkpoints_of(auto, lease.task_id) == {("charge", 0): ("step", {"ok": True})}
+
+
+def test_a_checkpoint_in_a_repeatable_read_transaction_survives_renewals_during_it(
+    pgtask_engine: Engine, auto: Connection
+) -> None:
+    # ctx.transaction runs in the engine's isolation: at REPEATABLE READ the fence must not
+    # fail because a renewal changed the task row after the transaction's snapshot.
+    lease = running(auto)
+    with pgtask_engine.execution_options(isolation_level="REPEATABLE READ").connect() as app:
+        app.execute(text("SELECT 1"))  # the snapshot is taken
+        assert auto.execute(st.RENEW, st.renew_params([lease], 30.0)).all()
+        row = d.save_checkpoint(app, lease, "insert", {"result": 1}, kind="transaction")
+        assert (row.held, row.saved) == (True, True)
+        app.commit()
+
+
+async def test_the_timeout_pass_does_not_spin_on_a_due_wait_another_transaction_holds(
+    pgtask_engine: Engine, pgtask_async_engine: AsyncEngine, auto: Connection
+) -> None:
+    lease = waiting_for_signal(auto)
+    d.make_wait_due(auto, lease.task_id)
+    service = WaitTimeouts(interval=5.0, batch_size=10)
+    with pgtask_engine.connect() as holder:
+        holder.execute(  # an application holds the waiting task's row (a long transaction)
+            text("SELECT 1 FROM pgtask.tasks WHERE id = :id FOR UPDATE"), {"id": lease.task_id}
+        )
+        async with pgtask_async_engine.connect() as conn:
+            again = await service.run_once(conn)
+            await conn.commit()
+        assert again is not None
+        assert again >= 0.5  # due, but held: look again in a moment, not at once
+        holder.rollback()
+    async with pgtask_async_engine.connect() as conn:
+        assert await service.run_once(conn) is None  # taken now; no wait left
+        await conn.commit()
+    assert d.task_of(auto, lease.task_id)["state"] == "pending"

@@ -95,8 +95,11 @@ BEGIN
     -- Whoever holds it holds it briefly or is ending it; this statement fails at once with
     -- SQLSTATE 55P03 instead, and is tried again (the worker writes outcomes again).
     PERFORM 1 FROM pgtask.tasks WHERE id = NEW.parent_id FOR NO KEY UPDATE NOWAIT;
-    SELECT * INTO w FROM pgtask.waits
-    WHERE task_id = NEW.parent_id AND kind = 'child' AND child_id = NEW.id;
+    -- Only a parent still waiting: one ending in this very statement (its cancellation
+    -- cascading to this child) keeps its wait row until tasks_left_waiting fires.
+    SELECT w0.* INTO w FROM pgtask.waits AS w0
+    JOIN pgtask.tasks AS p ON p.id = w0.task_id AND p.state = 'waiting'
+    WHERE w0.task_id = NEW.parent_id AND w0.kind = 'child' AND w0.child_id = NEW.id;
     IF FOUND THEN
         INSERT INTO pgtask.checkpoints (task_id, version, step, occurrence, kind, value)
         VALUES (w.task_id, w.version, w.step, w.occurrence, 'result',
@@ -231,7 +234,6 @@ def upgrade() -> None:
         schema="pgtask",
     )
     op.create_index("ix_waits_timeout_at", "waits", ["timeout_at"], schema="pgtask", postgresql_where=sa.text("timeout_at IS NOT NULL"))
-    op.create_index("ix_waits_child_id", "waits", ["child_id"], schema="pgtask", postgresql_where=sa.text("child_id IS NOT NULL"))
     op.execute(_UP)
 
 
