@@ -224,8 +224,8 @@ class TaskContext(BaseTaskContext):
     ) -> ChildResult:
         """Wait, without a worker slot, until a direct child of this task ends.
 
-        On timeout (database time) the result's state is ``"timeout"`` and the child is
-        cancelled (a running child by a cancel request; its subtree goes when it ends).
+        On timeout (database time) the result's state is ``"timeout"`` and the child's
+        subtree is cancelled (a running task in it by a cancel request).
 
         :raises InvalidOptionError: ``child_id`` is not a direct child of this task.
         """

@@ -272,26 +272,33 @@ def _wait_timeouts() -> Select[Any]:
         .on_conflict_do_nothing(index_elements=list(CHECKPOINT_KEY))
         .cte("stored")
     )
-    # A parent that is itself a child timed out in this pass is cancelled below instead.
-    cancelled_ids = select(ready.c.child_id).where(ready.c.child_id.is_not(None))
+    # The timed-out children and all their descendants, each with the task whose wait timed
+    # out. A running child only gets a cancel request, so its subtree is cancelled here too
+    # rather than when it ends.
+    base = (
+        select(ready.c.child_id.label("id"), ready.c.task_id.label("waiter"))
+        .where(ready.c.child_id.is_not(None))
+        .cte("subtree", recursive=True)
+    )
+    below = tasks.alias("below")
+    subtree = base.union_all(
+        select(below.c.id, base.c.waiter).where(below.c.parent_id == base.c.id)
+    )
+    # A parent that is itself in such a subtree is cancelled below instead.
     woken = (
         update(tasks)
         .where(
             tasks.c.id.in_(select(ready.c.task_id)),
-            tasks.c.id.not_in(cancelled_ids),
+            tasks.c.id.not_in(select(subtree.c.id)),
         )
         .values(state=const("pending"), run_at=NOW, updated_at=NOW)
         .returning(tasks.c.id)
         .cte("woken")
     )
     at_rest = tasks.c.state.in_(states(("pending", "waiting")))
-    parent = select(ready.c.task_id).where(ready.c.child_id == tasks.c.id).scalar_subquery()
     cancelled = (
         update(tasks)
-        .where(
-            tasks.c.id.in_(cancelled_ids),
-            tasks.c.state.in_(states(ACTIVE_STATES)),
-        )
+        .where(tasks.c.id == subtree.c.id, tasks.c.state.in_(states(ACTIVE_STATES)))
         .values(
             state=case((at_rest, const("cancelled")), else_=tasks.c.state),
             cancel_requested_at=func.coalesce(tasks.c.cancel_requested_at, NOW),
@@ -299,7 +306,7 @@ def _wait_timeouts() -> Select[Any]:
             error=case(
                 (at_rest, func.jsonb_build_object(
                     const("type"), const("cancelled"), const("reason"),
-                    const("result_wait_timeout"), const("parent_id"), parent,
+                    const("result_wait_timeout"), const("waiter_id"), subtree.c.waiter,
                 )),
                 else_=tasks.c.error,
             ),
@@ -317,9 +324,11 @@ def _wait_timeouts() -> Select[Any]:
 
 #: Times out up to ``limit`` due waits: the step's checkpoint becomes ``{"timeout": true}``
 #: (a signal wait) or ``{"state": "timeout", ...}`` (a child wait), the task is pending at once,
-#: and a timed-out child is cancelled (its unfinished descendants with it, by trigger; a
-#: running one by a cancel request). Locks waiting tasks and their children with ``SKIP
-#: LOCKED``, parents first. Served by ``ix_waits_timeout_at``. Returns ``(id)`` per task woken.
+#: and a timed-out child and its unfinished descendants are cancelled (running ones by a
+#: cancel request), with error ``{"type": "cancelled", "reason": "result_wait_timeout",
+#: "waiter_id": ...}``. Locks waiting tasks and their children with ``SKIP LOCKED``, parents
+#: first; the descendants' rows as it updates them. Served by ``ix_waits_timeout_at``.
+#: Returns ``(id)`` per task woken.
 WAIT_TIMEOUTS: Final = _wait_timeouts()
 
 #: Seconds of database time until the earliest wait times out (negative: overdue), or NULL

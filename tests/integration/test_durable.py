@@ -10,10 +10,14 @@ from __future__ import annotations
 import threading
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
+import pytest
 from sqlalchemy import Column, Integer, MetaData, Table, Text, func, select, text, update
+from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.orm import Session
 
 from sqlalchemy_pgtask import (
     Checkpoint,
@@ -25,14 +29,19 @@ from sqlalchemy_pgtask import (
     ReplayMismatch,
     Retry,
     RetryPolicy,
+    Signal,
     Suspended,
     SyncTaskContext,
     Task,
     TaskContext,
+    TaskNotFound,
+    ValidationError,
     Wait,
     WorkerOptions,
     cancel_async,
+    emit_signal,
     emit_signal_async,
+    enqueue,
     statements,
 )
 from sqlalchemy_pgtask.testing import DatabaseClock, running_worker, wait_until
@@ -765,3 +774,34 @@ async def test_a_signal_wait_sees_a_signal_committed_while_it_waited_for_the_tas
             await emitter.commit()
             row = await wait_for_state(pgtask_async_engine, task_id, timeout=PATIENCE)
     assert (row["state"], row["result"]) == ("succeeded", "yes")
+
+
+def test_emit_signal_joins_the_callers_transaction_and_checks_its_input(
+    pgtask_engine: Engine,
+) -> None:
+    with Session(pgtask_engine) as session, session.begin():
+        task_id = enqueue(session, "waits-for-a-signal").id
+    with Session(pgtask_engine) as session:
+        assert emit_signal(session, task_id, "approved", {"by": "ann"}) == {"by": "ann"}
+        session.rollback()  # the signal goes with the business transaction
+    with Session(pgtask_engine) as session, session.begin():
+        assert session.scalar(select(func.count()).select_from(Signal)) == 0
+        assert emit_signal(session, task_id, "approved", {"by": "bob"}, occurrence=1) == {
+            "by": "bob"
+        }
+    with Session(pgtask_engine) as session:
+        stored = session.execute(select(Signal.name, Signal.occurrence, Signal.value)).all()
+        assert [tuple(row) for row in stored] == [("approved", 1, {"by": "bob"})]
+        # Bad input is refused before any SQL, and leaves the transaction usable.
+        bad: list[Callable[[], object]] = [
+            lambda: emit_signal(session, task_id, "no spaces", 1),
+            lambda: emit_signal(session, task_id, "ok", {1, 2}),
+            lambda: emit_signal(session, task_id, "ok", 1, occurrence=-1),
+            lambda: emit_signal(session, "not-a-uuid", "ok", 1),
+        ]
+        for call in bad:
+            with pytest.raises(ValidationError):
+                call()
+        assert session.scalar(select(func.count()).select_from(Signal)) == 1
+        with pytest.raises(TaskNotFound):
+            emit_signal(session, uuid.uuid4(), "approved", True)

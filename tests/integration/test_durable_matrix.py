@@ -625,17 +625,14 @@ def test_child_timeout_after_commit_wakes_the_parent_and_cancels_the_child_subtr
     assert d.checkpoints_of(auto, parent_id)["await-ship", 0] == ("result", TIMED_OUT)
     # ...and the child subtree is cancelled: the child (waiting) and its pending child at
     # once, its running child by a cancel request.
+    timed_out = {"type": "cancelled", "reason": "result_wait_timeout", "waiter_id": str(parent_id)}
     child = d.task_of(auto, child_id)
     assert child["state"] == "cancelled"
-    assert child["error"] == {
-        "type": "cancelled", "reason": "result_wait_timeout", "parent_id": str(parent_id),
-    }
+    assert child["error"] == timed_out
     assert d.wait_of(auto, child_id) is None
     pending = d.task_of(auto, tree.pending)
     assert pending["state"] == "cancelled"
-    assert pending["error"] == {
-        "type": "cancelled", "reason": "ancestor_finished", "ancestor_id": str(child_id),
-    }
+    assert pending["error"] == timed_out
     runner = d.task_of(auto, tree.running.task_id)
     assert runner["state"] == "running"
     assert runner["cancel_requested_at"] is not None
@@ -1121,3 +1118,24 @@ async def test_the_timeout_pass_does_not_spin_on_a_due_wait_another_transaction_
         assert await service.run_once(conn) is None  # taken now; no wait left
         await conn.commit()
     assert d.task_of(auto, lease.task_id)["state"] == "pending"
+
+
+def test_a_child_timeout_cancels_the_subtree_of_a_running_child_at_once(
+    auto: Connection, pgtask_clock: DatabaseClock
+) -> None:
+    # The timed-out child is running: it only gets a cancel request (its worker stops it),
+    # but its own children are cancelled now, not when it ends.
+    parent = running(auto, "parent")
+    child_id = d.spawn_child(auto, parent, "ship")
+    d.waiting_on_child(auto, parent, "await-ship", child_id, timeout=60.0)
+    child = d.claim_one(auto, "child")
+    grandchild = d.spawn_child(auto, child, "label", "grandchild")
+    pgtask_clock.advance(61)
+    assert d.wait_timeouts(auto) == [parent.task_id]
+    row = d.task_of(auto, child_id)
+    assert (row["state"], row["cancel_requested_at"] is not None) == ("running", True)
+    below = d.task_of(auto, grandchild)
+    assert below["state"] == "cancelled"
+    assert below["error"] == {
+        "type": "cancelled", "reason": "result_wait_timeout", "waiter_id": str(parent.task_id),
+    }
