@@ -33,6 +33,7 @@ from sqlalchemy_pgtask.validation import (
     check_queue_name,
     check_run_at,
     check_task_name,
+    check_time_limit,
     dump_headers,
     dump_json,
 )
@@ -88,6 +89,8 @@ class EnqueueRequest:
     max_attempts: int | None = None
     idempotency_key: str | None = None
     headers: Mapping[str, Any] | None = field(default=None, hash=False)
+    #: None: the registered handler's ``timeout`` applies (if it has one).
+    timeout: float | timedelta | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +107,7 @@ class TaskRow:
     max_attempts: int | None
     run_at: datetime | None
     delay: float
+    timeout: float | None
     key: str | None
 
 
@@ -157,6 +161,7 @@ def validate_request(request: EnqueueRequest, task_id: uuid.UUID, prefix: str = 
         max_attempts=max_attempts,
         run_at=run_at,
         delay=seconds,
+        timeout=check_time_limit(where("timeout"), request.timeout),
         key=key,
     )
 
@@ -184,6 +189,7 @@ def _plan_row(row: TaskRow) -> Plan:
             "id": row.id, "queue": row.queue, "name": row.name, "version": row.version,
             "payload": row.payload, "headers": row.headers, "priority": row.priority,
             "max_attempts": row.max_attempts, "run_at": row.run_at, "delay": row.delay,
+            "timeout_seconds": row.timeout,
         }
         return Plan(statements.ENQUEUE_ONE, params, [row], [0], returns_rows=False)
     return plan_many([row])
@@ -207,10 +213,10 @@ def plan_many(rows: list[TaskRow]) -> Plan:
         ords.append(index)
     first = rows[0]
     shared = (first.queue, first.name, first.version, first.headers, first.priority,
-              first.max_attempts, first.run_at, first.delay)
+              first.max_attempts, first.run_at, first.delay, first.timeout)
     if not first_of_key and all(
         (row.queue, row.name, row.version, row.headers, row.priority, row.max_attempts,
-         row.run_at, row.delay) == shared
+         row.run_at, row.delay, row.timeout) == shared
         for row in rows
     ):
         uniform = {
@@ -219,6 +225,7 @@ def plan_many(rows: list[TaskRow]) -> Plan:
             "queue": first.queue, "name": first.name, "version": first.version,
             "headers": first.headers, "priority": first.priority,
             "max_attempts": first.max_attempts, "run_at": first.run_at, "delay": first.delay,
+            "timeout_seconds": first.timeout,
         }
         return Plan(statements.ENQUEUE_UNIFORM, uniform, rows, owners, returns_rows=False)
     params = _batch_params(unique, ords)
@@ -240,6 +247,7 @@ def _batch_params(rows: Sequence[TaskRow], ords: Sequence[int]) -> dict[str, Any
         "max_attempts": [row.max_attempts for row in rows],
         "run_ats": [row.run_at for row in rows],
         "delays": [row.delay for row in rows],
+        "timeouts": [row.timeout for row in rows],
         "keys": [row.key for row in rows],
     }
 
@@ -317,12 +325,13 @@ def plan_one(
     max_attempts: int | None,
     idempotency_key: str | None,
     headers: Mapping[str, Any] | None,
+    timeout: float | timedelta | None = None,
 ) -> Plan:
     """Validate one enqueue's arguments and plan its statement."""
     request = EnqueueRequest(
         name=name, payload=payload, queue=queue, version=version, run_at=run_at, delay=delay,
         priority=priority, max_attempts=max_attempts, idempotency_key=idempotency_key,
-        headers=headers,
+        headers=headers, timeout=timeout,
     )
     return _plan_row(validate_request(request, new_ids(1)[0]))
 

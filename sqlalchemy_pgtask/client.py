@@ -1,6 +1,7 @@
 """client: reading, cancelling and awaiting tasks from application code; no handler logic.
 
-`get_task` and `cancel` run in the caller's transaction (and never commit). The waiters open
+`get_task` and `cancel` run in the caller's transaction (and never commit); a cancellation
+is audited in it. Administrative retry and queue pause/resume are in `admin`. The waiters open
 their own connection, because waiting needs ``LISTEN`` on a connection nobody else uses.
 Queue settings live in `queues` (``configure_queue`` is re-exported here for old imports).
 """
@@ -11,7 +12,7 @@ import time
 import uuid
 from typing import Any, Final
 
-from sqlalchemy import Engine, Select, select
+from sqlalchemy import Connection, Engine, Select, select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_scoped_session
 from sqlalchemy.orm import Session, joinedload, scoped_session, selectinload
 
@@ -33,6 +34,7 @@ from sqlalchemy_pgtask._connection import (
     sync_session,
     translated_errors,
 )
+from sqlalchemy_pgtask.audit import audit_statement, check_actor, check_reason
 from sqlalchemy_pgtask.errors import TaskNotFound
 from sqlalchemy_pgtask.models import TERMINAL_STATES, Task
 
@@ -102,29 +104,65 @@ def _cancel_params(task_id: uuid.UUID | str) -> dict[str, uuid.UUID]:
     return {"task_id": parse_task_id(task_id)}
 
 
-def cancel(bind: SyncBind, task_id: uuid.UUID | str) -> str | None:
+def _cancelled(
+    connection: Connection,
+    params: dict[str, uuid.UUID],
+    actor: str | None,
+    reason: str | None,
+) -> str | None:
+    with translated_errors():
+        row = connection.execute(statements.CANCEL, params).first()
+        if row is None:
+            return None
+        if row.changed:
+            details = {"previous_state": row.previous_state, "state": row.state}
+            connection.execute(audit_statement(
+                "task.cancel", actor=actor, reason=reason, task_id=params["task_id"],
+                queue=row.queue, details=details,
+            ))
+    return str(row.state)
+
+
+def cancel(
+    bind: SyncBind,
+    task_id: uuid.UUID | str,
+    *,
+    actor: str | None = None,
+    reason: str | None = None,
+) -> str | None:
     """Cancel a task in ``bind``'s transaction; returns its state afterwards.
 
     A pending or waiting task is ``"cancelled"`` at once. A running task stays ``"running"``
     with its cancellation requested: its worker stops the handler within a third of the lease
     and the task ends cancelled; no success or retry is recorded after the request. Returns
     None when the task does not exist or had already finished. Never commits.
+
+    A call that changed the task writes a ``task.cancel`` audit entry in the same transaction,
+    naming ``actor`` (default: the database role) and ``reason``; asking again for a running
+    task whose cancellation was already requested changes nothing and writes no entry.
+
+    :raises ValidationError: a bad ``task_id``, ``actor`` (1 to 255 bytes) or ``reason`` (at
+        most 1000 bytes), before any SQL.
     """
     target = sync_bind(bind, "cancel")
     params = _cancel_params(task_id)
-    with translated_errors():
-        row = connection_of(target).execute(statements.CANCEL, params).first()
-    return None if row is None else str(row.state)
+    actor, reason = check_actor(actor), check_reason(reason)
+    return _cancelled(connection_of(target), params, actor, reason)
 
 
-async def cancel_async(bind: AsyncBind, task_id: uuid.UUID | str) -> str | None:
+async def cancel_async(
+    bind: AsyncBind,
+    task_id: uuid.UUID | str,
+    *,
+    actor: str | None = None,
+    reason: str | None = None,
+) -> str | None:
     """`cancel` for an `AsyncSession` or `AsyncConnection`."""
     target = async_bind(bind, "cancel")
     params = _cancel_params(task_id)
+    actor, reason = check_actor(actor), check_reason(reason)
     connection = await async_connection_of(target)
-    with translated_errors():
-        row = (await connection.execute(statements.CANCEL, params)).first()
-    return None if row is None else str(row.state)
+    return await connection.run_sync(_cancelled, params, actor, reason)
 
 
 def _finished(session: Session, task_id: uuid.UUID) -> Task | None:

@@ -42,8 +42,9 @@ T = TypeVar("T")
 
 #: Why a handler is asked to stop: someone cancelled the task; this attempt lost its lease; its
 #: lease could not be renewed and would expire before renewal succeeds (the worker hands the
-#: task back); or the worker is shutting down and hands the task back.
-StopReason = Literal["cancelled", "lease_lost", "lease_expiring", "shutdown"]
+#: task back); the worker is shutting down and hands the task back; or the attempt ran past
+#: its time limit.
+StopReason = Literal["cancelled", "lease_lost", "lease_expiring", "shutdown", "timeout"]
 
 @dataclass(eq=False)
 class BaseTaskContext:

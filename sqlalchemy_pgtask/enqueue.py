@@ -94,6 +94,7 @@ def enqueue(
     max_attempts: int | None = None,
     idempotency_key: str | None = None,
     headers: Mapping[str, Any] | None = None,
+    timeout: float | timedelta | None = None,
 ) -> EnqueueResult:
     """Add a task in ``bind``'s current transaction and return its id.
 
@@ -113,6 +114,9 @@ def enqueue(
     :param idempotency_key: at most one task per key and queue exists until the key expires;
         a duplicate returns the existing task's id with ``created=False``.
     :param headers: a JSON object of metadata (trace context, correlation ids), at most 64 KiB.
+    :param timeout: this task's time limit per attempt (seconds or a timedelta), instead of
+        its handler's ``timeout``: past it the attempt is stopped and fails with kind
+        ``timeout``, and is retried by policy.
     :raises ValidationError: on bad input, before any SQL runs.
     :raises TypeError: ``bind`` is not a Session or Connection (an engine, or an async session:
         use `enqueue_async`), before any SQL runs.
@@ -125,7 +129,7 @@ def enqueue(
     plan = plan_one(
         name, payload, queue=queue, version=version, run_at=run_at, delay=delay,
         priority=priority, max_attempts=max_attempts, idempotency_key=idempotency_key,
-        headers=headers,
+        headers=headers, timeout=timeout,
     )
     return _execute(target, plan)[0]
 
@@ -143,13 +147,14 @@ async def enqueue_async(
     max_attempts: int | None = None,
     idempotency_key: str | None = None,
     headers: Mapping[str, Any] | None = None,
+    timeout: float | timedelta | None = None,
 ) -> EnqueueResult:
     """`enqueue` for an `AsyncSession` or an `AsyncConnection`; the same guarantees."""
     target = async_bind(bind, "enqueue")
     plan = plan_one(
         name, payload, queue=queue, version=version, run_at=run_at, delay=delay,
         priority=priority, max_attempts=max_attempts, idempotency_key=idempotency_key,
-        headers=headers,
+        headers=headers, timeout=timeout,
     )
     return (await _execute_async(target, plan))[0]
 

@@ -12,6 +12,8 @@ The tree::
      │                                          transaction this one's snapshot cannot see
      ├── SchemaNotInstalled                     the pgtask schema is missing or out of date
      ├── TaskNotFound                           no task with that id
+     ├── TaskNotRetryable                       an administrative retry of a task that is
+     │                                          not failed or cancelled
      ├── ReplayMismatch                         a durable call does not match what an
      │                                          earlier attempt recorded under its step key
      ├── WorkerCrashed                          an internal loop of a worker failed; the
@@ -41,6 +43,7 @@ __all__ = [
     "SchemaNotInstalled",
     "ServerNotFound",
     "TaskNotFound",
+    "TaskNotRetryable",
     "ValidationError",
     "WorkerCrashed",
 ]
@@ -111,6 +114,21 @@ class SchemaNotInstalled(PgTaskError):
 
 class TaskNotFound(PgTaskError):
     """No task exists with that id."""
+
+
+class TaskNotRetryable(PgTaskError):
+    """Only a failed or cancelled task can be retried; this one is in another state.
+
+    Nothing was written. ``task_id`` and ``state`` (the task's state when the retry looked)
+    say which task and why.
+    """
+
+    def __init__(self, task_id: object, state: str) -> None:
+        super().__init__(
+            f"task {task_id} is {state}; only failed or cancelled tasks can be retried"
+        )
+        self.task_id = task_id
+        self.state = state
 
 
 class PolicyConflict(PgTaskError):

@@ -44,6 +44,7 @@ ErrorKind = Literal[
     "retry",  # the handler raised Retry: retried after its delay (or the policy's)
     "result_rejected",  # the return value cannot be stored: no retry, it would repeat
     "cancelled",  # someone cancelled the task
+    "timeout",  # the attempt ran past its time limit; retried by policy
     "lease_expired",  # the worker died or stalled; recovery took the task back
     "outcome_rejected",  # the database refused to record the outcome
 ]
@@ -183,6 +184,9 @@ def decide(
     """
     if stop == "lease_lost":
         return None
+    if stop == "timeout" and not isinstance(raised, LeaseLost):
+        # Whatever the handler did once its time was up does not count.
+        return _failure("timeout", None, policy.delay(failed_attempts + 1, rng))
     stopping = isinstance(raised, (LeaseLost, TaskCancelled)) or (
         isinstance(raised, asyncio.CancelledError) and stopped_by_worker
     )

@@ -10,13 +10,17 @@ trigger does it, so every writer of the row gets it). The count is exact only in
 COMMITTED transaction, whose statements each see the latest commits; under REPEATABLE READ or
 SERIALIZABLE the count would come from the transaction's older snapshot and miss tasks
 committed since, so it is refused there: here before any SQL, by the trigger for others.
+
+Every change is written to the audit log in the same transaction (`sqlalchemy_pgtask.audit`):
+``queue.pause`` and ``queue.resume`` when the pause changes, ``queue.configure`` with the
+settings that changed. A call that changes nothing writes no entry.
 """
 
 from __future__ import annotations
 
 import typing
 from dataclasses import dataclass, fields
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Final
 
 from sqlalchemy import Connection, Table, func, select, update
@@ -31,10 +35,24 @@ from sqlalchemy_pgtask._connection import (
     sync_bind,
     translated_errors,
 )
+from sqlalchemy_pgtask.audit import (
+    AUDITED_SETTINGS,
+    audit_statement,
+    check_actor,
+    check_reason,
+    queue_entries,
+)
 from sqlalchemy_pgtask.errors import InvalidOptionError
 from sqlalchemy_pgtask.models import CapacityRelease, Queue
 from sqlalchemy_pgtask.statements import NOW
-from sqlalchemy_pgtask.validation import DURATION_MAX_SECONDS, check_int_range, check_queue_name
+from sqlalchemy_pgtask.validation import (
+    DURATION_MAX_SECONDS,
+    INT4_MAX,
+    check_delay,
+    check_int_range,
+    check_queue_name,
+    check_time_limit,
+)
 
 __all__ = [
     "UNSET",
@@ -63,6 +81,13 @@ class QueueSettings:
     paused_at: datetime | None
     terminal_retention_seconds: int
     idempotency_retention_seconds: int
+    #: Rate limit: at most this many task starts per ``rate_period_seconds``, across all
+    #: workers; None (both) means unlimited.
+    rate_limit: int | None
+    rate_period_seconds: float | None
+    #: A pending task due for longer than this many seconds is claimed ahead of higher
+    #: priorities; None: priority alone orders the queue.
+    starvation_timeout_seconds: float | None
     created_at: datetime
     updated_at: datetime
 
@@ -84,29 +109,62 @@ class _Unset:
 
 UNSET: Final = _Unset()
 
+#: The rate period when a rate limit is given without one: per second.
+DEFAULT_RATE_PERIOD: Final = 1.0
 
-def _changes(
-    name: str,
-    max_outstanding_tasks: int | _Unset | None,
-    terminal_retention_seconds: int | _Unset,
-    idempotency_retention_seconds: int | _Unset,
-    paused: bool | _Unset,
-) -> dict[str, Any]:
-    """The validated column values to write; raises `ValidationError` before any SQL."""
+def _rate_period(value: object) -> float:
+    if value is None:
+        raise InvalidOptionError(
+            "rate_period", "must be a positive number of seconds or a timedelta, got None"
+        )
+    seconds = check_delay("rate_period", value)
+    if seconds <= 0:
+        raise InvalidOptionError("rate_period", f"must be positive, got {value!r}")
+    return seconds
+
+
+def _rate_changes(rate_limit: object, rate_period: object) -> dict[str, Any]:
+    """The rate-limit columns to write; both or neither are set (a CHECK says so too)."""
+    if isinstance(rate_limit, _Unset):
+        if not isinstance(rate_period, _Unset):
+            raise InvalidOptionError(
+                "rate_period", "needs rate_limit: pass both to change the period"
+            )
+        return {}
+    if rate_limit is None:
+        if not isinstance(rate_period, _Unset):
+            raise InvalidOptionError(
+                "rate_period", "must not be given with rate_limit=None (no rate limit)"
+            )
+        return {"rate_limit": None, "rate_period_seconds": None}
+    check_int_range("rate_limit", rate_limit, 1, INT4_MAX)
+    period = DEFAULT_RATE_PERIOD if isinstance(rate_period, _Unset) else _rate_period(rate_period)
+    return {"rate_limit": rate_limit, "rate_period_seconds": period}
+
+
+def _changes(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The validated column values to write; raises `ValidationError` before any SQL.
+
+    ``options`` holds every option of `configure_queue`, `UNSET` where not passed.
+    """
     check_queue_name(name)
     values: dict[str, Any] = {}
-    if not isinstance(max_outstanding_tasks, _Unset):
-        if max_outstanding_tasks is not None:
-            check_int_range("max_outstanding_tasks", max_outstanding_tasks, 1, 2**63 - 1)
-        values["max_outstanding_tasks"] = max_outstanding_tasks
-    for option, value in (
-        ("terminal_retention_seconds", terminal_retention_seconds),
-        ("idempotency_retention_seconds", idempotency_retention_seconds),
-    ):
+    capacity = options["max_outstanding_tasks"]
+    if not isinstance(capacity, _Unset):
+        if capacity is not None:
+            check_int_range("max_outstanding_tasks", capacity, 1, 2**63 - 1)
+        values["max_outstanding_tasks"] = capacity
+    for option in ("terminal_retention_seconds", "idempotency_retention_seconds"):
+        value = options[option]
         if not isinstance(value, _Unset):
             # Bounded so completed_at + make_interval(secs => ...) in the key-expiry trigger
             # and retention cannot overflow when a task finishes, long after this call.
             values[option] = check_int_range(option, value, 0, DURATION_MAX_SECONDS)
+    values.update(_rate_changes(options["rate_limit"], options["rate_period"]))
+    starvation = options["starvation_timeout"]
+    if not isinstance(starvation, _Unset):
+        values["starvation_timeout_seconds"] = check_time_limit("starvation_timeout", starvation)
+    paused = options["paused"]
     if not isinstance(paused, _Unset):
         if not isinstance(paused, bool):
             raise InvalidOptionError("paused", "must be a bool")
@@ -130,10 +188,32 @@ def _check_isolation(connection: Connection, values: dict[str, Any]) -> None:
         )
 
 
-def _configure(connection: Connection, name: str, values: dict[str, Any]) -> dict[str, Any]:
+def _configure(
+    connection: Connection,
+    name: str,
+    values: dict[str, Any],
+    actor: str | None,
+    reason: str | None,
+) -> dict[str, Any]:
     _check_isolation(connection, values)
+    queues = typing.cast(Table, Queue.__table__)
     with translated_errors():
-        return _write(connection, name, values)
+        before = None
+        if values:
+            # Locked, so the audit's "from" values are the ones this change replaces.
+            before = connection.execute(
+                select(*(queues.c[k] for k in (*AUDITED_SETTINGS, "paused_at")))
+                .where(queues.c.name == name)
+                .with_for_update(key_share=True)  # FOR NO KEY UPDATE
+            ).mappings().first()
+        row = _write(connection, name, values)
+        for action, details in queue_entries(
+            None if before is None else dict(before), row, set(values)
+        ):
+            connection.execute(
+                audit_statement(action, actor=actor, reason=reason, queue=name, details=details)
+            )
+        return row
 
 
 def _settings_columns() -> list[Any]:
@@ -187,6 +267,9 @@ def _write(connection: Connection, name: str, values: dict[str, Any]) -> dict[st
     return dict(row)
 
 
+Seconds = float | timedelta
+
+
 def configure_queue(
     bind: SyncBind,
     name: str,
@@ -195,6 +278,11 @@ def configure_queue(
     terminal_retention_seconds: int | _Unset = UNSET,
     idempotency_retention_seconds: int | _Unset = UNSET,
     paused: bool | _Unset = UNSET,
+    rate_limit: int | _Unset | None = UNSET,
+    rate_period: Seconds | _Unset = UNSET,
+    starvation_timeout: Seconds | _Unset | None = UNSET,
+    actor: str | None = None,
+    reason: str | None = None,
 ) -> dict[str, Any]:
     """Create or change a queue's settings in ``bind``'s transaction; returns its row.
 
@@ -203,18 +291,33 @@ def configure_queue(
     Turning a limit on recounts the queue's outstanding tasks; to count exactly it briefly
     takes a lock on ``pgtask.tasks`` that waits for in-flight writes and blocks new ones until
     the caller commits, so commit promptly. A paused queue accepts enqueues but nothing is
-    claimed from it until it is resumed. Never commits.
+    claimed from it until it is resumed.
 
-    :raises ValidationError: a bad option, before any SQL; also (`InvalidOptionError` on
-        ``max_outstanding_tasks``) a limit set in a transaction that is not READ COMMITTED.
+    ``rate_limit`` starts per ``rate_period`` (seconds or a `timedelta`; 1 second when only
+    ``rate_limit`` is given) across all workers; ``rate_limit=None`` removes the limit. The
+    period cannot be changed alone: pass the limit with it. ``starvation_timeout`` (seconds or
+    a `timedelta`; None removes it): a pending task due for longer than that is claimed ahead
+    of higher priorities.
+
+    The change is audited in the same transaction (``queue.pause``, ``queue.resume``,
+    ``queue.configure`` with the changed settings) as done by ``actor`` (default: the
+    database role) for ``reason``. Never commits.
+
+    :raises ValidationError: a bad option, actor or reason, before any SQL; also
+        (`InvalidOptionError` on ``max_outstanding_tasks``) a limit set in a transaction that
+        is not READ COMMITTED.
     :raises SchemaNotInstalled: the database has no pgtask schema.
     """
     target = sync_bind(bind, "configure_queue")
-    values = _changes(
-        name, max_outstanding_tasks, terminal_retention_seconds, idempotency_retention_seconds,
-        paused,
-    )
-    return _configure(connection_of(target), name, values)
+    values = _changes(name, {
+        "max_outstanding_tasks": max_outstanding_tasks, "paused": paused,
+        "terminal_retention_seconds": terminal_retention_seconds,
+        "idempotency_retention_seconds": idempotency_retention_seconds,
+        "rate_limit": rate_limit, "rate_period": rate_period,
+        "starvation_timeout": starvation_timeout,
+    })
+    actor, reason = check_actor(actor), check_reason(reason)
+    return _configure(connection_of(target), name, values, actor, reason)
 
 
 async def configure_queue_async(
@@ -225,15 +328,32 @@ async def configure_queue_async(
     terminal_retention_seconds: int | _Unset = UNSET,
     idempotency_retention_seconds: int | _Unset = UNSET,
     paused: bool | _Unset = UNSET,
+    rate_limit: int | _Unset | None = UNSET,
+    rate_period: Seconds | _Unset = UNSET,
+    starvation_timeout: Seconds | _Unset | None = UNSET,
+    actor: str | None = None,
+    reason: str | None = None,
 ) -> dict[str, Any]:
     """`configure_queue` for an `AsyncSession` or `AsyncConnection`; the same guarantees."""
     target = async_bind(bind, "configure_queue")
-    values = _changes(
-        name, max_outstanding_tasks, terminal_retention_seconds, idempotency_retention_seconds,
-        paused,
-    )
+    values = _changes(name, {
+        "max_outstanding_tasks": max_outstanding_tasks, "paused": paused,
+        "terminal_retention_seconds": terminal_retention_seconds,
+        "idempotency_retention_seconds": idempotency_retention_seconds,
+        "rate_limit": rate_limit, "rate_period": rate_period,
+        "starvation_timeout": starvation_timeout,
+    })
+    actor, reason = check_actor(actor), check_reason(reason)
     connection = await async_connection_of(target)
-    return await connection.run_sync(_configure, name, values)
+    return await connection.run_sync(_configure, name, values, actor, reason)
+
+
+def set_paused(
+    connection: Connection, name: str, paused: bool, actor: str | None, reason: str | None
+) -> QueueSettings:
+    """Pause or resume ``name`` (checked) and audit it; for `sqlalchemy_pgtask.admin`."""
+    values = {"paused_at": func.coalesce(Queue.paused_at, NOW) if paused else None}
+    return QueueSettings(**_configure(connection, name, values, actor, reason))
 
 
 def _read(connection: Connection) -> list[QueueSettings]:

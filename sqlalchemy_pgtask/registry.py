@@ -23,6 +23,7 @@ from datetime import datetime, timedelta
 from typing import Any, Final, Generic, Protocol, TypeVar, overload
 
 from sqlalchemy_pgtask._connection import AsyncBind, SyncBind
+from sqlalchemy_pgtask._schedule_spec import ScheduleSpec, schedule_spec
 from sqlalchemy_pgtask.context import SyncTaskContext, TaskContext
 from sqlalchemy_pgtask.enqueue import (
     DEFAULT_MAX_ATTEMPTS,
@@ -39,9 +40,10 @@ from sqlalchemy_pgtask.validation import (
     check_int_range,
     check_queue_name,
     check_task_name,
+    check_time_limit,
 )
 
-__all__ = ["DEFAULT_RETRY", "HandlerDecorator", "Registry", "TaskDefinition"]
+__all__ = ["DEFAULT_RETRY", "DeclaredSchedule", "HandlerDecorator", "Registry", "TaskDefinition"]
 
 PayloadT = TypeVar("PayloadT")
 ResultT = TypeVar("ResultT")
@@ -83,6 +85,9 @@ class TaskDefinition(Generic[PayloadT, ResultT]):
     handler: Callable[[Any, PayloadT], Any]
     #: Exception types that fail the task at once instead of retrying.
     non_retryable: tuple[type[BaseException], ...] = ()
+    #: Seconds an attempt may run before it is stopped and fails with kind ``timeout``
+    #: (retried by policy); None: no limit. A task enqueued with its own ``timeout`` uses that.
+    timeout: float | None = None
     is_async: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -103,13 +108,14 @@ class TaskDefinition(Generic[PayloadT, ResultT]):
         max_attempts: int | None = None,
         idempotency_key: str | None = None,
         headers: Mapping[str, Any] | None = None,
+        timeout: float | timedelta | None = None,
     ) -> EnqueueRequest:
         """An `EnqueueRequest` for this handler, for `enqueue_many`."""
         return EnqueueRequest(
             name=self.name, payload=payload, queue=self.queue, version=self.version,
             run_at=run_at, delay=delay, priority=priority,
             max_attempts=self.max_attempts if max_attempts is None else max_attempts,
-            idempotency_key=idempotency_key, headers=headers,
+            idempotency_key=idempotency_key, headers=headers, timeout=timeout,
         )
 
     def enqueue(
@@ -123,13 +129,14 @@ class TaskDefinition(Generic[PayloadT, ResultT]):
         max_attempts: int | None = None,
         idempotency_key: str | None = None,
         headers: Mapping[str, Any] | None = None,
+        timeout: float | timedelta | None = None,
     ) -> EnqueueResult:
         """Add a task for this handler in ``bind``'s transaction (see `enqueue`)."""
         return enqueue(
             bind, self.name, payload, queue=self.queue, version=self.version, run_at=run_at,
             delay=delay, priority=priority,
             max_attempts=self.max_attempts if max_attempts is None else max_attempts,
-            idempotency_key=idempotency_key, headers=headers,
+            idempotency_key=idempotency_key, headers=headers, timeout=timeout,
         )
 
     async def enqueue_async(
@@ -143,14 +150,30 @@ class TaskDefinition(Generic[PayloadT, ResultT]):
         max_attempts: int | None = None,
         idempotency_key: str | None = None,
         headers: Mapping[str, Any] | None = None,
+        timeout: float | timedelta | None = None,
     ) -> EnqueueResult:
         """`enqueue` for an `AsyncSession` or `AsyncConnection`."""
         return await enqueue_async(
             bind, self.name, payload, queue=self.queue, version=self.version, run_at=run_at,
             delay=delay, priority=priority,
             max_attempts=self.max_attempts if max_attempts is None else max_attempts,
-            idempotency_key=idempotency_key, headers=headers,
+            idempotency_key=idempotency_key, headers=headers, timeout=timeout,
         )
+
+
+@dataclass(frozen=True)
+class DeclaredSchedule:
+    """A schedule declared in code: reconciled into ``pgtask.schedules`` at worker start."""
+
+    definition: TaskDefinition[Any, Any]
+    spec: ScheduleSpec
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+DefinitionT = TypeVar("DefinitionT", bound=TaskDefinition[Any, Any])
 
 
 class Registry:
@@ -158,6 +181,7 @@ class Registry:
 
     def __init__(self) -> None:
         self._definitions: dict[tuple[str, str, int], TaskDefinition[Any, Any]] = {}
+        self._schedules: dict[str, DeclaredSchedule] = {}
 
     def task(
         self,
@@ -168,6 +192,7 @@ class Registry:
         retry: RetryPolicy = DEFAULT_RETRY,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         non_retryable: tuple[type[BaseException], ...] = (),
+        timeout: float | timedelta | None = None,
     ) -> HandlerDecorator:
         """Register the decorated ``(ctx, payload)`` function, ``async def`` or plain ``def``.
 
@@ -176,12 +201,19 @@ class Registry:
         :param max_attempts: failed attempts a task gets, unless it was enqueued with its own;
             frozen with ``retry`` per (queue, name, version).
         :param non_retryable: exception types that fail the task at once.
+        :param timeout: time limit of each attempt (seconds or a timedelta), unless the task
+            was enqueued with its own: past it, an ``async def`` handler is cancelled, a
+            ``def`` handler's late result is discarded, and the attempt fails with kind
+            ``timeout`` (retried by policy). Measured in database time from the claim.
         """
+
+        time_limit = check_time_limit("timeout", timeout)
 
         def register(handler: Callable[[Any, Any], Any]) -> TaskDefinition[Any, Any]:
             definition: TaskDefinition[Any, Any] = TaskDefinition(
                 name=name, version=version, queue=queue, retry=retry,
                 max_attempts=max_attempts, handler=handler, non_retryable=non_retryable,
+                timeout=time_limit,
             )
             self.add(definition)
             return definition
@@ -194,6 +226,7 @@ class Registry:
         check_queue_name(definition.queue)
         check_int_range("version", definition.version, 1, INT4_MAX)
         check_int_range("max_attempts", definition.max_attempts, 1, INT4_MAX)
+        check_time_limit("timeout", definition.timeout)
         if not isinstance(definition.retry, RetryPolicy):
             raise InvalidOptionError("retry", "must be a RetryPolicy")
         if not callable(definition.handler):
@@ -216,6 +249,68 @@ class Registry:
                 f"on queue {definition.queue!r}",
             )
         self._definitions[key] = definition
+
+    def schedule(
+        self,
+        name: str,
+        *,
+        cron: str | None = None,
+        every: float | timedelta | None = None,
+        timezone: str = "UTC",
+        payload: Any = None,
+        headers: Mapping[str, Any] | None = None,
+        priority: int = 0,
+        max_attempts: int | None = None,
+        timeout: float | timedelta | None = None,
+        misfire: str = "latest",
+        catch_up_limit: int | None = None,
+        overlap: str = "allow",
+        start_at: datetime | None = None,
+    ) -> Callable[[DefinitionT], DefinitionT]:
+        """Declare a recurring schedule of the decorated definition; stack it above
+        ``@registry.task(...)``. The options mean what `set_schedule`'s mean.
+
+        Workers reconcile declared schedules at start: a new or changed one is written (a
+        changed one restarts from database now), an unchanged one keeps its cursor.
+        """
+
+        def declare(definition: DefinitionT) -> DefinitionT:
+            self.add_schedule(
+                name, definition, cron=cron, every=every, timezone=timezone, payload=payload,
+                headers=headers, priority=priority, max_attempts=max_attempts,
+                timeout=timeout, misfire=misfire, catch_up_limit=catch_up_limit,
+                overlap=overlap, start_at=start_at,
+            )
+            return definition
+
+        return declare
+
+    def add_schedule(
+        self, name: str, definition: TaskDefinition[Any, Any], **options: Any
+    ) -> DeclaredSchedule:
+        """Declare a schedule of a registered definition (see `schedule`)."""
+        if not isinstance(definition, TaskDefinition):
+            raise InvalidOptionError(
+                "task", "@registry.schedule(...) goes above @registry.task(...)"
+            )
+        if self.get(definition.queue, definition.name, definition.version) is not definition:
+            raise InvalidOptionError(
+                "task", f"{definition.name!r} is not registered here; register it first"
+            )
+        spec = schedule_spec(
+            name, task_name=definition.name, queue=definition.queue,
+            version=definition.version, **options,
+        )
+        if spec.name in self._schedules:
+            raise InvalidOptionError("name", f"schedule {name!r} is already declared")
+        declared = DeclaredSchedule(definition=definition, spec=spec)
+        self._schedules[spec.name] = declared
+        return declared
+
+    @property
+    def schedules(self) -> list[DeclaredSchedule]:
+        """The schedules declared in code, in declaration order."""
+        return list(self._schedules.values())
 
     def get(self, queue: str, name: str, version: int) -> TaskDefinition[Any, Any] | None:
         """The definition for a task identity, or None."""

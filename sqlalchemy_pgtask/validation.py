@@ -31,6 +31,7 @@ __all__ = [
     "STEP_NAME_MAX_BYTES",
     "TASK_NAME_MAX_BYTES",
     "check_delay",
+    "check_free_text",
     "check_idempotency_key",
     "check_int_range",
     "check_poll_interval",
@@ -39,6 +40,7 @@ __all__ = [
     "check_seconds",
     "check_step_name",
     "check_task_name",
+    "check_time_limit",
     "check_timeout",
     "dump_headers",
     "dump_json",
@@ -113,15 +115,16 @@ def check_task_name(value: object, field: str = "name") -> str:
 
 def check_idempotency_key(value: object, field: str = "idempotency_key") -> str:
     """Idempotency keys are free text (they often embed application ids) but bounded."""
-    return _check_free_text(field, value, IDEMPOTENCY_KEY_MAX_BYTES)
+    return check_free_text(field, value, IDEMPOTENCY_KEY_MAX_BYTES)
 
 
 def check_step_name(value: object, field: str = "step") -> str:
     """Step names are free text (``f"charge-{order_id}"``) but bounded, like keys."""
-    return _check_free_text(field, value, STEP_NAME_MAX_BYTES)
+    return check_free_text(field, value, STEP_NAME_MAX_BYTES)
 
 
-def _check_free_text(field: str, value: object, max_bytes: int) -> str:
+def check_free_text(field: str, value: object, max_bytes: int) -> str:
+    """Non-empty text without NUL, valid UTF-8, at most ``max_bytes`` bytes."""
     if not isinstance(value, str):
         raise InvalidNameError(field, f"must be a str, got {type(value).__name__}")
     if not value:
@@ -206,6 +209,17 @@ def check_timeout(field: str, value: object) -> float | None:
     seconds = float(value)
     if math.isnan(seconds) or seconds < 0:
         raise InvalidOptionError(field, f"must be a non-negative number or None, got {value!r}")
+    return seconds
+
+
+def check_time_limit(field: str, value: object) -> float | None:
+    """An attempt's time limit: None (no limit), or a positive number of seconds or
+    `timedelta` within `DURATION_MAX_SECONDS`."""
+    if value is None:
+        return None
+    seconds = check_delay(field, value)
+    if seconds <= 0:
+        raise InvalidOptionError(field, f"must be positive (or None for no limit), got {value!r}")
     return seconds
 
 

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
-from collections.abc import Callable
 from typing import Any, Final, NoReturn
 
 from sqlalchemy_pgtask import WorkerOptions, __version__
 from sqlalchemy_pgtask._logging import LOG_FORMATS
-from sqlalchemy_pgtask.cli import _commands, _inspect
+from sqlalchemy_pgtask.cli import _commands, _grants, _inspect, _retention, _schedules
 from sqlalchemy_pgtask.cli._connection import URL_ENV
 from sqlalchemy_pgtask.cli._errors import EXIT_USAGE
+from sqlalchemy_pgtask.cli._types import int_between as _int_between
+from sqlalchemy_pgtask.cli._types import seconds as _seconds
 from sqlalchemy_pgtask.states import TASK_STATES
 from sqlalchemy_pgtask.status import LIST_LIMIT_MAX
 
@@ -43,32 +43,6 @@ def worker_default(name: str) -> Any:
         if field.name == name:
             return field.default
     raise LookupError(f"WorkerOptions has no field {name!r}")
-
-
-def _seconds(text: str) -> float:
-    """A finite, non-negative number of seconds (``inf`` and ``nan`` parse as floats)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, got {text!r}")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {text!r}")
-    return value
-
-
-def _int_between(low: int, high: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {value}")
-        return value
-
-    return parse
 
 
 _POSITIVE: Final = _int_between(1, 2**31 - 1)
@@ -131,7 +105,7 @@ def _add_worker(commands: Any) -> None:
 
 
 def _add_task(commands: Any) -> None:
-    task = commands.add_parser("task", help="list, inspect or cancel tasks")
+    task = commands.add_parser("task", help="list, inspect, cancel or retry tasks")
     actions = task.add_subparsers(dest="task_command", metavar="ACTION", required=True)
 
     listing = actions.add_parser(
@@ -162,21 +136,43 @@ def _add_task(commands: Any) -> None:
     _add_url_option(show)
     show.set_defaults(handler=_inspect.task_show)
 
-    cancel = actions.add_parser("cancel", help="cancel a task")
+    cancel = actions.add_parser(
+        "cancel", help="cancel a task (audited)",
+        description=(
+            "Cancel a pending or waiting task at once, or ask a running task's worker to stop "
+            "it. A change is recorded in the audit log with the actor and reason."
+        ),
+    )
     cancel.add_argument("task_id", metavar="TASK_ID")
+    _inspect.add_audit_options(cancel)
     _add_url_option(cancel)
     cancel.set_defaults(handler=_inspect.task_cancel)
 
+    retry = actions.add_parser(
+        "retry", help="run a failed or cancelled task again (audited)",
+        description=(
+            "Make a failed or cancelled task pending again, due now, with a fresh budget of "
+            "failed attempts; its attempts stay in its history and a durable task replays its "
+            "checkpoints. Exits 1 if the task does not exist, is not failed or cancelled, or "
+            "its queue is at capacity; nothing is written then."
+        ),
+    )
+    retry.add_argument("task_id", metavar="TASK_ID")
+    _inspect.add_audit_options(retry)
+    _add_url_option(retry)
+    retry.set_defaults(handler=_inspect.task_retry)
+
 
 def _add_queue(commands: Any) -> None:
-    queue = commands.add_parser("queue", help="list or change queue settings")
+    queue = commands.add_parser("queue", help="list, pause, resume or change queues")
     actions = queue.add_subparsers(dest="queue_command", metavar="ACTION", required=True)
     listing = actions.add_parser("list", help="queues with settings")
     _add_url_option(listing)
     listing.set_defaults(handler=_inspect.queue_list)
 
     change = actions.add_parser(
-        "set", help="create or change a queue's settings (only the options given change)"
+        "set", help="create or change a queue's settings (only the options given change)",
+        description="Changes are recorded in the audit log with the actor and reason.",
     )
     change.add_argument("name", metavar="QUEUE")
     capacity = change.add_mutually_exclusive_group()
@@ -191,8 +187,63 @@ def _add_queue(commands: Any) -> None:
     pause.add_argument("--resume", dest="paused", action="store_const", const=False)
     change.add_argument("--terminal-retention", type=_NON_NEGATIVE, metavar="SECONDS")
     change.add_argument("--idempotency-retention", type=_NON_NEGATIVE, metavar="SECONDS")
+    rate = change.add_mutually_exclusive_group()
+    rate.add_argument(
+        "--rate-limit", type=_inspect.rate_argument, metavar="N/PERIOD",
+        help="most task starts per period across all workers: N/s, N/m, N/h, N/d, or "
+        "N/<seconds>s such as 100/30s",
+    )
+    rate.add_argument("--no-rate-limit", action="store_true", help="remove the rate limit")
+    starvation = change.add_mutually_exclusive_group()
+    starvation.add_argument(
+        "--starvation-timeout", type=_inspect.positive_seconds_argument, metavar="SECONDS",
+        help="a pending task due for longer than this is claimed ahead of higher priorities",
+    )
+    starvation.add_argument(
+        "--no-starvation-timeout", action="store_true", help="remove the starvation timeout"
+    )
+    _inspect.add_audit_options(change)
     _add_url_option(change)
     change.set_defaults(handler=_inspect.queue_set, paused=None)
+
+    for action, verb, handler in (
+        ("pause", "stop claims from a queue; enqueues are still accepted", _inspect.queue_pause),
+        ("resume", "let workers claim from a paused queue again", _inspect.queue_resume),
+    ):
+        command = actions.add_parser(
+            action, help=f"{verb} (audited)",
+            description=f"{verb[0].upper()}{verb[1:]}. Recorded in the audit log.",
+        )
+        command.add_argument("name", metavar="QUEUE")
+        _inspect.add_audit_options(command)
+        _add_url_option(command)
+        command.set_defaults(handler=handler)
+
+
+def _add_audit(commands: Any) -> None:
+    audit = commands.add_parser(
+        "audit", help="administrative actions, newest first",
+        description=(
+            "Entries of the append-only audit log (retries, cancellations, queue and schedule "
+            "changes), newest first, filtered by task, queue and schedule."
+        ),
+    )
+    audit.add_argument("--task", metavar="TASK_ID", help="only entries about this task")
+    audit.add_argument("--queue", metavar="QUEUE", help="only entries about this queue")
+    audit.add_argument("--schedule", metavar="NAME", help="only entries about this schedule")
+    audit.add_argument(
+        "--limit", type=_int_between(1, _inspect.AUDIT_LIMIT_MAX), default=50, metavar="N",
+        help="at most N entries (default: %(default)s)",
+    )
+    audit.add_argument(
+        "--before", type=_int_between(1, 2**63 - 1), metavar="ID",
+        help="only entries older than this id (the next page)",
+    )
+    audit.add_argument(
+        "--json", action="store_true", help="one JSON array of the entries instead"
+    )
+    _add_url_option(audit)
+    audit.set_defaults(handler=_inspect.audit_list)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -240,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_task(commands)
     _add_queue(commands)
+    _add_audit(commands)
+    _schedules.add_commands(commands)
+    _retention.add_commands(commands)
+    _grants.add_commands(commands)
 
     demo = commands.add_parser(
         "demo",

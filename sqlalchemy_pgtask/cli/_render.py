@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from typing import Any, Final
 
+from sqlalchemy_pgtask.audit import AuditRecord
 from sqlalchemy_pgtask.status import (
     AttemptInfo,
     QueueSettings,
@@ -29,7 +30,10 @@ from sqlalchemy_pgtask.status import (
 )
 
 __all__ = [
+    "audit_json",
+    "audit_lines",
     "queue_settings_line",
+    "rate",
     "status_lines",
     "task_detail_json",
     "task_detail_lines",
@@ -297,15 +301,75 @@ def task_detail_json(task: TaskDetail) -> str:
     return json.dumps(document, default=_json_default, ensure_ascii=False)
 
 
+#: Rate periods with a name of their own: ``100/m`` rather than ``100/60s``.
+_PERIODS: Final = {1.0: "s", 60.0: "m", 3600.0: "h", 86400.0: "d"}
+
+
+def rate(limit: int | None, period_seconds: float | None) -> str:
+    """A rate limit as ``pgtask queue set --rate-limit`` takes it (``100/s``, ``5/30s``)."""
+    if limit is None or period_seconds is None:
+        return "unlimited"
+    unit = _PERIODS.get(period_seconds)
+    return f"{limit}/{unit}" if unit else f"{limit}/{period_seconds:g}s"
+
+
 def queue_settings_line(queue: QueueSettings) -> str:
-    """One queue's settings (``pgtask queue list`` and ``queue set``)."""
+    """One queue's settings (``pgtask queue list``, ``set``, ``pause`` and ``resume``)."""
     if queue.max_outstanding_tasks is None:
         capacity = "unlimited"
     else:
         capacity = f"{queue.outstanding_tasks}/{queue.max_outstanding_tasks}"
     paused = f"paused since {when(queue.paused_at)}" if queue.paused_at else "active"
+    starvation = queue.starvation_timeout_seconds
     return (
         f"{queue.name}: {paused}, capacity {capacity}, terminal retention "
         f"{queue.terminal_retention_seconds}s, idempotency retention "
-        f"{queue.idempotency_retention_seconds}s"
+        f"{queue.idempotency_retention_seconds}s, rate "
+        f"{rate(queue.rate_limit, queue.rate_period_seconds)}, starvation timeout "
+        f"{'none' if starvation is None else f'{starvation:g}s'}"
+    )
+
+
+_AUDIT_HEADER: Final = ("ID", "TIME", "ACTOR", "ACTION", "TARGET", "REASON", "DETAILS")
+
+
+def _target(entry: AuditRecord) -> str:
+    names = [
+        f"{kind} {value}"
+        for kind, value in (
+            ("task", entry.task_id), ("queue", entry.queue), ("schedule", entry.schedule)
+        )
+        if value is not None
+    ]
+    return ", ".join(names) or "-"
+
+
+def audit_lines(entries: Sequence[AuditRecord], limit: int) -> list[str]:
+    """``pgtask audit``: a header and one aligned line per entry, newest first."""
+    if not entries:
+        return ["no audit entries match"]
+    rows = [_AUDIT_HEADER] + [
+        (
+            str(e.id), when(e.occurred_at), e.actor, e.action, _target(e),
+            "-" if e.reason is None else _one_line(e.reason),
+            "-" if e.details is None
+            else json.dumps(e.details, ensure_ascii=False, sort_keys=True),
+        )
+        for e in entries
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_AUDIT_HEADER))]
+    out = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+    if len(entries) == limit:
+        out.append(f"(first {limit}; older ones: add --before {entries[-1].id})")
+    return out
+
+
+def audit_json(entries: Sequence[AuditRecord]) -> str:
+    """``pgtask audit --json``: a JSON array of the entries, newest first, on one line."""
+    return json.dumps(
+        [dataclasses.asdict(entry) for entry in entries],
+        default=_json_default, ensure_ascii=False,
     )

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from sqlalchemy_pgtask.models._base import SCHEMA, Base, metadata
 from sqlalchemy_pgtask.models._durable import Checkpoint, Signal, Wait
-from sqlalchemy_pgtask.models._queues import CapacityRelease, IdempotencyKey, Queue
+from sqlalchemy_pgtask.models._operations import AuditEntry, Schedule
+from sqlalchemy_pgtask.models._queues import CapacityRelease, IdempotencyKey, Queue, RateBucket
 from sqlalchemy_pgtask.models._tasks import Attempt, Task
 from sqlalchemy_pgtask.models._workers import HandlerPolicy, WorkerCapability, WorkerRecord
 from sqlalchemy_pgtask.states import ACTIVE_STATES, ATTEMPT_STATES, TASK_STATES, TERMINAL_STATES
@@ -28,12 +29,15 @@ __all__ = [
     "TASK_STATES",
     "TERMINAL_STATES",
     "Attempt",
+    "AuditEntry",
     "Base",
     "CapacityRelease",
     "Checkpoint",
     "HandlerPolicy",
     "IdempotencyKey",
     "Queue",
+    "RateBucket",
+    "Schedule",
     "Signal",
     "Task",
     "Wait",

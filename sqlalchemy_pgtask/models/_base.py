@@ -15,6 +15,7 @@ from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP, UUID
 from sqlalchemy.orm import DeclarativeBase
 
 from sqlalchemy_pgtask.validation import (
+    DURATION_MAX_SECONDS,
     NAME_PATTERN,
 )
 
@@ -27,6 +28,7 @@ __all__ = [
     "Base",
     "metadata",
     "name_check",
+    "positive_duration_check",
     "quoted",
     "retry_shape_check",
     "size_check",
@@ -63,6 +65,10 @@ def quoted(values: tuple[str, ...]) -> str:
 
 def name_check(column: str, max_bytes: int) -> str:
     return f"{column} ~ '{NAME_PATTERN}' AND octet_length({column}) <= {max_bytes}"
+
+
+def positive_duration_check(column: str) -> str:
+    return f"({column} > 0 AND {column} <= {DURATION_MAX_SECONDS})"
 
 
 def size_check(column: str, max_bytes: int) -> str:

@@ -8,6 +8,7 @@ from datetime import datetime
 from sqlalchemy import (
     BigInteger,
     CheckConstraint,
+    Double,
     Identity,
     Index,
     Integer,
@@ -16,7 +17,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, mapped_column
 
-from sqlalchemy_pgtask.models._base import NOW, Base, name_check
+from sqlalchemy_pgtask.models._base import NOW, Base, name_check, positive_duration_check
 from sqlalchemy_pgtask.validation import (
     QUEUE_NAME_MAX_BYTES,
 )
@@ -34,6 +35,18 @@ class Queue(Base):
             "max_outstanding_tasks IS NULL OR max_outstanding_tasks > 0", name="capacity"
         ),
         CheckConstraint("outstanding_tasks >= 0", name="outstanding_tasks"),
+        CheckConstraint(
+            "(rate_limit IS NULL) = (rate_period_seconds IS NULL)"
+            " AND (rate_limit IS NULL OR rate_limit > 0)"
+            " AND (rate_period_seconds IS NULL OR"
+            f" {positive_duration_check('rate_period_seconds')})",
+            name="rate_limit",
+        ),
+        CheckConstraint(
+            f"starvation_timeout_seconds IS NULL"
+            f" OR {positive_duration_check('starvation_timeout_seconds')}",
+            name="starvation_timeout",
+        ),
     )
 
     name: Mapped[str] = mapped_column(Text, primary_key=True)
@@ -53,6 +66,12 @@ class Queue(Base):
     outstanding_tasks: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
     #: A paused queue accepts enqueues and claims nothing.
     paused_at: Mapped[datetime | None]
+    #: Rate limit: at most this many task starts per ``rate_period_seconds``, across all
+    #: workers (a token bucket in `RateBucket`); NULL (both) means unlimited.
+    rate_limit: Mapped[int | None] = mapped_column(Integer)
+    rate_period_seconds: Mapped[float | None] = mapped_column(Double)
+    #: A pending task due for longer than this is claimed ahead of higher priorities.
+    starvation_timeout_seconds: Mapped[float | None] = mapped_column(Double)
     created_at: Mapped[datetime] = mapped_column(server_default=NOW)
     updated_at: Mapped[datetime] = mapped_column(server_default=NOW)
 
@@ -99,3 +118,16 @@ class CapacityRelease(Base):
     queue: Mapped[str] = mapped_column(Text)
     released: Mapped[int] = mapped_column(Integer)
 
+
+
+class RateBucket(Base):
+    """The token bucket of a rate-limited queue: claims take tokens, time refills them.
+
+    Apart from `Queue` so a claim never waits for a producer holding the capacity counter.
+    """
+
+    __tablename__ = "rate_buckets"
+
+    queue: Mapped[str] = mapped_column(Text, primary_key=True)
+    tokens: Mapped[float] = mapped_column(Double)
+    refilled_at: Mapped[datetime]

@@ -25,6 +25,7 @@ from sqlalchemy_pgtask.models._base import (
     NOW,
     Base,
     name_check,
+    positive_duration_check,
     quoted,
     retry_shape_check,
     size_check,
@@ -99,6 +100,11 @@ class Task(Base):
             f"error IS NULL OR {size_check('error', ERROR_MAX_BYTES)}", name="error_size"
         ),
         CheckConstraint(retry_shape_check(), name="retry_policy"),
+        CheckConstraint(
+            f"timeout_seconds IS NULL OR {positive_duration_check('timeout_seconds')}",
+            name="timeout",
+        ),
+        CheckConstraint("(schedule_name IS NULL) = (scheduled_for IS NULL)", name="schedule"),
         # The claim path: due pending work of a queue, highest priority first.
         Index(
             "ix_tasks_claim",
@@ -123,16 +129,23 @@ class Task(Base):
             "queue", "state",
             postgresql_where=text(f"state IN ({quoted(ACTIVE_STATES)})"),
         ),
-        # Finished tasks by queue and state: status counts and retention.
+        # Finished tasks of a queue, oldest first: retention's range, and status counts.
         Index(
             "ix_tasks_finished",
-            "queue", "state", "completed_at",
+            "queue", "completed_at", "state",
             postgresql_where=text(f"state IN ({quoted(TERMINAL_STATES)})"),
         ),
         Index(
             "ix_tasks_parent",
             "parent_id",
             postgresql_where=text("parent_id IS NOT NULL"),
+        ),
+        # Each occurrence of a schedule exists once, however many materialisers race.
+        Index(
+            "ix_tasks_schedule_occurrence",
+            "schedule_name", "scheduled_for",
+            unique=True,
+            postgresql_where=text("schedule_name IS NOT NULL"),
         ),
         # Tasks churn fast; vacuum and analyze long before the 20% defaults.
         {"postgresql_with": FAST_AUTOVACUUM},
@@ -177,6 +190,11 @@ class Task(Base):
     retry_factor: Mapped[float | None] = mapped_column(Double)
     retry_max_seconds: Mapped[float | None] = mapped_column(Double)
     retry_jitter: Mapped[bool | None] = mapped_column(Boolean)
+    #: Time limit of each attempt; None: the handler's own (or none).
+    timeout_seconds: Mapped[float | None] = mapped_column(Double)
+    #: The schedule and occurrence this task materialises; None for other tasks.
+    schedule_name: Mapped[str | None] = mapped_column(Text)
+    scheduled_for: Mapped[datetime | None]
     created_at: Mapped[datetime] = mapped_column(server_default=NOW)
     updated_at: Mapped[datetime] = mapped_column(server_default=NOW)
     completed_at: Mapped[datetime | None]
@@ -241,5 +259,7 @@ class Attempt(Base):
     state: Mapped[AttemptState] = mapped_column(Text, server_default=text("'running'"))
     started_at: Mapped[datetime] = mapped_column(server_default=NOW)
     finished_at: Mapped[datetime | None]
+    #: When the attempt's time limit runs out (database time); None: no limit.
+    deadline_at: Mapped[datetime | None]
     error: Mapped[dict[str, Any] | None]
 

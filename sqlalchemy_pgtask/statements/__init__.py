@@ -19,13 +19,18 @@ from sqlalchemy_pgtask.statements._fence import DurableParams, durable_params
 from sqlalchemy_pgtask.statements.admin import CANCEL, SCHEMA_INSTALLED
 from sqlalchemy_pgtask.statements.claim import (
     CLAIM,
+    CLAIM_GOVERNED,
     CLAIMED_COLUMNS,
-    SECONDS_UNTIL_DUE,
     Capability,
     CapabilityParams,
     ClaimParams,
     capability_params,
     claim_params,
+)
+from sqlalchemy_pgtask.statements.due import (
+    GOVERNED_QUEUES,
+    SECONDS_UNTIL_DUE,
+    SECONDS_UNTIL_DUE_GOVERNED,
 )
 from sqlalchemy_pgtask.statements.enqueue import (
     DEFAULT_IDEMPOTENCY_RETENTION_SECONDS,
@@ -97,6 +102,7 @@ __all__ = [
     "CHECKPOINTS",
     "CLAIM",
     "CLAIMED_COLUMNS",
+    "CLAIM_GOVERNED",
     "CLEAR_CAPABILITIES",
     "COMPLETE",
     "DEFAULT_IDEMPOTENCY_RETENTION_SECONDS",
@@ -107,6 +113,7 @@ __all__ = [
     "ENQUEUE_UNIFORM",
     "FAIL",
     "FENCE_STATE",
+    "GOVERNED_QUEUES",
     "HEARTBEAT",
     "LEASES",
     "LOCK_CHILD",
@@ -127,6 +134,7 @@ __all__ = [
     "SAVE_CHECKPOINT",
     "SCHEMA_INSTALLED",
     "SECONDS_UNTIL_DUE",
+    "SECONDS_UNTIL_DUE_GOVERNED",
     "SLEEP",
     "SPAWN",
     "STORED_POLICIES",

@@ -30,6 +30,7 @@ from sqlalchemy_pgtask.models import (
     HandlerPolicy,
     IdempotencyKey,
     Queue,
+    RateBucket,
     Signal,
     Task,
     Wait,
@@ -51,6 +52,7 @@ __all__ = [
     "keys",
     "policies",
     "queues",
+    "rate_buckets",
     "running_state",
     "seconds",
     "signals",
@@ -64,6 +66,7 @@ tasks = typing.cast(Table, Task.__table__)
 attempts = typing.cast(Table, Attempt.__table__)
 keys = typing.cast(Table, IdempotencyKey.__table__)
 queues = typing.cast(Table, Queue.__table__)
+rate_buckets = typing.cast(Table, RateBucket.__table__)
 workers = typing.cast(Table, WorkerRecord.__table__)
 capabilities = typing.cast(Table, WorkerCapability.__table__)
 policies = typing.cast(Table, HandlerPolicy.__table__)

@@ -29,20 +29,24 @@ from sqlalchemy import (
     func,
     insert,
     literal_column,
+    or_,
     select,
     true,
     tuple_,
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from sqlalchemy_pgtask.retry import PolicyArrays, RetryPolicy
+from sqlalchemy_pgtask.statements import _governed
 from sqlalchemy_pgtask.statements._common import (
     NOW,
     UUID_T,
     arrays,
     attempts,
     queues,
+    rate_buckets,
     seconds,
     tasks,
 )
@@ -51,7 +55,7 @@ from sqlalchemy_pgtask.states import RUNNING
 __all__ = [
     "CLAIM",
     "CLAIMED_COLUMNS",
-    "SECONDS_UNTIL_DUE",
+    "CLAIM_GOVERNED",
     "Capability",
     "CapabilityParams",
     "ClaimParams",
@@ -61,13 +65,15 @@ __all__ = [
 
 
 class Capability(NamedTuple):
-    """A handler a worker can run: its identity, retry policy and default attempt budget."""
+    """A handler a worker can run: its identity, retry policy, default attempt budget and
+    default time limit."""
 
     queue: str
     name: str
     version: int
     retry: RetryPolicy
     max_attempts: int
+    timeout: float | None = None
 
 
 class CapabilityParams(PolicyArrays):
@@ -78,6 +84,7 @@ class CapabilityParams(PolicyArrays):
     cap_names: list[str]
     cap_versions: list[int]
     cap_max_attempts: list[int]
+    cap_timeouts: list[float | None]
 
 
 class ClaimParams(CapabilityParams):
@@ -94,6 +101,7 @@ def capability_params(queue_order: Sequence[str], served: Sequence[Capability]) 
         "cap_names": [c.name for c in served],
         "cap_versions": [c.version for c in served],
         "cap_max_attempts": [c.max_attempts for c in served],
+        "cap_timeouts": [c.timeout for c in served],
         **RetryPolicy.as_arrays([c.retry for c in served]),
     }
 
@@ -118,18 +126,19 @@ _CANDIDATE: Final = alias(tasks, "c")
 _CLAIMED: Final = typing.cast("Alias[Any]", alias(tasks, "t"))
 
 
-def _pending(table: FromClause = tasks) -> ColumnElement[bool]:
+def pending(table: FromClause = tasks) -> ColumnElement[bool]:
     # A literal so the planner can match the partial claim index in a generic plan.
     return table.c.state == literal_column("'pending'")
 
 
-def _capabilities() -> CTE:
+def capabilities_cte() -> CTE:
     rows = arrays(
         "capability",
         ("cap_queues", "queue", Text()),
         ("cap_names", "name", Text()),
         ("cap_versions", "version", Integer()),
         ("cap_max_attempts", "max_attempts", Integer()),
+        ("cap_timeouts", "timeout", Double()),
         ("retry_kinds", "retry_kind", Text()),
         ("retry_bases", "retry_base_seconds", Double()),
         ("retry_factors", "retry_factor", Double()),
@@ -139,22 +148,44 @@ def _capabilities() -> CTE:
     return select(rows).cte("capabilities")
 
 
-def _served() -> CTE:
-    """The worker's queues in its order, without the paused ones."""
+def served_cte(*, governed: bool) -> CTE:
+    """The worker's queues in its order, without the paused ones.
+
+    ``governed``: with their starvation timeout and rate limit (NULL: none). Otherwise without
+    the queues that have either: the plain claim never serves them, so a limit set at any
+    moment holds at once.
+    """
     order = (
         func.unnest(bindparam("queues", type_=ARRAY(Text)))
         .table_valued("name", with_ordinality="ord")
         .render_derived("served")
     )
-    paused = (
-        select(queues.c.name)
-        .where(queues.c.name == order.c.name, queues.c.paused_at.is_not(None))
+    if governed:
+        return (
+            select(
+                order.c.name, order.c.ord, queues.c.starvation_timeout_seconds.label("starve"),
+                queues.c.rate_limit, queues.c.rate_period_seconds.label("rate_period"),
+            )
+            .select_from(order.outerjoin(queues, queues.c.name == order.c.name))
+            .where(queues.c.paused_at.is_(None))
+            .cte("served")
+        )
+    q = alias(queues, "q")
+    held_back = (
+        select(q.c.name)
+        .where(
+            q.c.name == order.c.name,
+            or_(
+                q.c.paused_at.is_not(None), q.c.rate_limit.is_not(None),
+                q.c.starvation_timeout_seconds.is_not(None),
+            ),
+        )
         .exists()
     )
-    return select(order.c.name, order.c.ord).where(~paused).cte("served")
+    return select(order.c.name, order.c.ord).where(~held_back).cte("served")
 
 
-def _capable(capabilities: CTE, table: FromClause = tasks) -> ColumnElement[bool]:
+def capable(capabilities: CTE, table: FromClause = tasks) -> ColumnElement[bool]:
     return tuple_(table.c.name, table.c.version).in_(
         select(capabilities.c.name, capabilities.c.version).where(
             capabilities.c.queue == table.c.queue
@@ -169,28 +200,43 @@ CLAIMED_COLUMNS: Final = (
 )
 
 
-def _claim() -> Select[Any]:
-    capabilities = _capabilities()
-    served = _served()
-    c, t = _CANDIDATE, _CLAIMED
-    limit = bindparam("limit", type_=Integer)
-    per_queue = (
+def _plain_candidates(capabilities: CTE, served: CTE, limit: ColumnElement[Any]) -> FromClause:
+    c = _CANDIDATE
+    return (
         select(c.c.id, c.c.priority, c.c.run_at)
         .where(
-            _pending(c),
+            pending(c),
             c.c.queue == served.c.name,
             c.c.run_at <= NOW,
-            _capable(capabilities, c),
+            capable(capabilities, c),
         )
         .order_by(c.c.priority.desc(), c.c.run_at, c.c.id)
         .limit(limit)
         .with_for_update(skip_locked=True, key_share=True)  # FOR NO KEY UPDATE SKIP LOCKED
         .lateral("candidate")
     )
+
+
+def _claim(*, governed: bool) -> Select[Any]:
+    capabilities = capabilities_cte()
+    served = served_cte(governed=governed)
+    t = _CLAIMED
+    limit = bindparam("limit", type_=Integer)
+    if governed:
+        locked = _governed.buckets(served)
+        queue_order: CTE = _governed.allowance(served, locked, limit)
+        candidate = _governed.candidates(capabilities, queue_order, pending, capable)
+        order: tuple[Any, ...] = (candidate.c.rank, candidate.c.prio.desc())
+    else:
+        queue_order = served
+        candidate = _plain_candidates(capabilities, served, limit)
+        order = (candidate.c.priority.desc(),)
     picked = (
-        select(per_queue.c.id)
-        .select_from(served.join(per_queue, true()))
-        .order_by(served.c.ord, per_queue.c.priority.desc(), per_queue.c.run_at, per_queue.c.id)
+        select(candidate.c.id)
+        .select_from(queue_order.join(candidate, true()))
+        .order_by(
+            queue_order.c.ord, *order, candidate.c.run_at, candidate.c.id,
+        )
         .limit(limit)
         .cte("picked")
     )
@@ -204,6 +250,7 @@ def _claim() -> Select[Any]:
     }
     snapshot["max_attempts"] = func.coalesce(t.c.max_attempts, capabilities.c.max_attempts)
     worker_id = bindparam("worker_id", type_=UUID_T)
+    time_limit = func.coalesce(t.c.timeout_seconds, capabilities.c.timeout)
     claimed = (
         update(t)
         .where(
@@ -223,51 +270,78 @@ def _claim() -> Select[Any]:
             updated_at=NOW,
             **snapshot,
         )
-        .returning(*(t.c[name] for name in CLAIMED_COLUMNS))
+        .returning(
+            *(t.c[name] for name in CLAIMED_COLUMNS),
+            time_limit.label("time_limit"),
+            (NOW + seconds(time_limit)).label("deadline_at"),
+        )
         .cte("claimed")
     )
     recorded = insert(attempts).from_select(
-        ["task_id", "attempt", "lease_token", "worker_id", "started_at"],
-        select(claimed.c.id, claimed.c.attempt, claimed.c.lease_token, worker_id, NOW),
+        ["task_id", "attempt", "lease_token", "worker_id", "started_at", "deadline_at"],
+        select(
+            claimed.c.id, claimed.c.attempt, claimed.c.lease_token, worker_id, NOW,
+            claimed.c.deadline_at,
+        ),
     ).cte("recorded")
-    return (
-        select(*(claimed.c[name] for name in CLAIMED_COLUMNS))
+    result = (
+        select(
+            *(claimed.c[name] for name in CLAIMED_COLUMNS),
+            claimed.c.time_limit,
+            claimed.c.deadline_at,
+        )
         .add_cte(recorded)
         .order_by(claimed.c.priority.desc(), claimed.c.id)
     )
+    if not governed:
+        return result
+    spent = (
+        select(claimed.c.queue, func.count().label("n")).group_by(claimed.c.queue).cte("spent")
+    )
+    spend = (
+        update(rate_buckets)
+        .where(rate_buckets.c.queue == locked.c.queue, spent.c.queue == locked.c.queue)
+        .values(tokens=locked.c.available - spent.c.n, refilled_at=NOW)
+        .cte("spend")
+    )
+    # A limit set since the last claim: its bucket starts full, from the next claim on.
+    fill = (
+        pg_insert(rate_buckets)
+        .from_select(
+            ["queue", "tokens", "refilled_at"],
+            select(served.c.name, served.c.rate_limit, NOW).where(
+                served.c.rate_limit.is_not(None),
+                ~select(locked.c.queue).where(locked.c.queue == served.c.name).exists(),
+            ),
+        )
+        .on_conflict_do_nothing(index_elements=[rate_buckets.c.queue])
+        .cte("fill")
+    )
+    return result.add_cte(spend, fill)
 
 
 #: Claims up to ``limit`` due pending tasks across the worker's ``queues`` in one statement:
 #: earlier queues first, then highest priority, then oldest ``run_at``; only (queue, name,
-#: version) among the worker's capabilities; nothing from a paused queue. Each queue is read
+#: version) among the worker's capabilities; nothing from a paused queue, nor from a governed
+#: one (a rate limit or starvation timeout: `CLAIM_GOVERNED` serves those). Each queue is read
 #: through ``ix_tasks_claim`` (a LATERAL probe), and the picked rows are locked ``FOR NO KEY
 #: UPDATE SKIP LOCKED`` so concurrent claimers skip each other's rows. Sets running, attempt +
 #: 1, a fresh lease token and an expiry of database time + ``lease_seconds``; snapshots the
 #: retry policy and fills a missing ``max_attempts`` from the capability on first claim;
-#: inserts one ``attempts`` row each. Returns `CLAIMED_COLUMNS` of the claimed tasks.
-CLAIM: Final = _claim()
+#: inserts one ``attempts`` row each, with the attempt's deadline (database time + the task's,
+#: or else the handler's, time limit). Returns `CLAIMED_COLUMNS` of the claimed tasks, then
+#: ``time_limit`` (seconds or NULL) and ``deadline_at``. Kept under psycopg's 4 KiB limit for
+#: cached parsing: the governed form is longer, and paid for only by workers that need it.
+CLAIM: Final = _claim(governed=False)
 
-
-def _seconds_until_due() -> Select[Any]:
-    capabilities = _capabilities()
-    served = _served()
-    earliest = (
-        select(tasks.c.run_at)
-        .where(_pending(), tasks.c.queue == served.c.name, _capable(capabilities))
-        .order_by(tasks.c.run_at)
-        .limit(1)
-        .lateral("earliest")
-    )
-    upcoming = select(func.min(earliest.c.run_at)).select_from(served.join(earliest, true()))
-    return select(func.extract("epoch", upcoming.scalar_subquery() - NOW))
-
-
-#: Seconds (database time) until the earliest pending task the worker could claim falls due:
-#: zero or less when one is due already (a claim that raced with it, or a row another
-#: transaction held locked), NULL when there is none, so an idle worker sleeps until its poll
-#: interval instead of spinning. One ``ORDER BY run_at LIMIT 1`` probe of
-#: ``ix_tasks_pending_run_at`` per served, unpaused queue. Locks nothing. Binds the
-#: `CapabilityParams`.
-SECONDS_UNTIL_DUE: Final = _seconds_until_due()
+#: `CLAIM` for a worker some of whose queues are governed, serving all its unpaused queues:
+#: within a queue, tasks due for longer than its starvation timeout come first (oldest first,
+#: through ``ix_tasks_pending_run_at``), then the others by priority; from a rate-limited queue
+#: no more than the whole tokens its bucket holds, which the claim spends. Buckets are locked
+#: ``FOR UPDATE`` (a concurrent claimer of the same queue waits, then reads what the first
+#: one left), so every worker shares one limit, and a limited queue takes nothing from the
+#: other queues' share of the batch. A queue whose limit is new gets a full bucket, from its
+#: next claim on. Same binds and rows as `CLAIM`.
+CLAIM_GOVERNED: Final = _claim(governed=True)
 
 

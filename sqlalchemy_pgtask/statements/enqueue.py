@@ -63,7 +63,7 @@ DEFAULT_IDEMPOTENCY_RETENTION_SECONDS: Final = 2_592_000
 #: The columns an enqueue writes, in the order of the request arrays.
 _ENQUEUE_COLUMNS: Final = (
     "id", "queue", "name", "version", "payload", "headers", "priority", "max_attempts",
-    "run_at", "idempotency_key",
+    "run_at", "timeout_seconds", "idempotency_key",
 )
 
 
@@ -116,6 +116,7 @@ def _enqueue_one() -> Insert:
         priority=bindparam("priority", type_=SmallInteger),
         max_attempts=bindparam("max_attempts", type_=Integer),
         run_at=_run_at(bindparam("run_at", type_=TSTZ), bindparam("delay", type_=Double)),
+        timeout_seconds=bindparam("timeout_seconds", type_=Double),
     )
 
 
@@ -139,6 +140,7 @@ def _requests() -> CTE:
         bindparam("max_attempts", type_=ARRAY(Integer)),
         bindparam("run_ats", type_=ARRAY(TSTZ)),
         bindparam("delays", type_=ARRAY(Double)),
+        bindparam("timeouts", type_=ARRAY(Double)),
         bindparam("keys", type_=ARRAY(Text)),
     ).table_valued(
         column("ord", Integer),
@@ -152,6 +154,7 @@ def _requests() -> CTE:
         column("max_attempts", Integer),
         column("run_at", TSTZ),
         column("delay", Double),
+        column("timeout_seconds", Double),
         column("key", Text),
     ).render_derived("request")
     return select(arrays).cte("requests")
@@ -161,7 +164,7 @@ def _task_values(requests: CTE) -> Select[Any]:
     c = requests.c
     return select(
         c.id, c.queue, c.name, c.version, cast(c.payload, JSONB), cast(c.headers, JSONB),
-        c.priority, c.max_attempts, _run_at(c.run_at, c.delay), c.key,
+        c.priority, c.max_attempts, _run_at(c.run_at, c.delay), c.timeout_seconds, c.key,
     )
 
 
@@ -199,6 +202,7 @@ def _enqueue_uniform() -> Insert:
             bindparam("priority", type_=SmallInteger),
             bindparam("max_attempts", type_=Integer),
             _run_at(bindparam("run_at", type_=TSTZ), bindparam("delay", type_=Double)),
+            bindparam("timeout_seconds", type_=Double),
         ),
     )
 

@@ -44,6 +44,8 @@ class ActiveAttempt:
     #: A durable call suspended the task (sleep, wait): the lease is already released and
     #: nothing is written for this attempt.
     suspended: bool = False
+    #: Stops the handler when its time limit runs out (cancelled once it settles).
+    timer: asyncio.TimerHandle | None = None
 
     @property
     def task_id(self) -> uuid.UUID:
@@ -77,6 +79,8 @@ class AttemptBook:
             attempt.settled = True
             self.unsettled -= 1
             self.changed.set()
+            if attempt.timer is not None:
+                attempt.timer.cancel()
 
     def forget(self, attempt: ActiveAttempt) -> None:
         """The outcome is written (or cannot be): stop renewing the lease."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import logging
 import queue
@@ -153,8 +154,13 @@ class Executor:
             policy=RetryPolicy.from_row(row) or definition.retry,
             lease_sent_at=sent,
         )
-        ctx._durable = DurableAttempt(self._durable, attempt, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        ctx._durable = DurableAttempt(self._durable, attempt, loop)
         self._book.add(attempt)
+        if row.time_limit is not None:
+            # The claim set the deadline at database time + the limit; the row arrived after
+            # that, so a local timer of the same length never fires early.
+            attempt.timer = loop.call_later(row.time_limit, self._time_out, attempt)
         if row.cancel_requested_at is not None:
             ctx.request_stop("cancelled")
         if logger.isEnabledFor(logging.INFO):
@@ -195,6 +201,7 @@ class Executor:
                 not definition.is_async
                 and attempt.stopped_by_worker
                 and isinstance(raised, asyncio.CancelledError)
+                and ctx.stop_reason != "timeout"
             ):
                 # The worker stopped waiting, but the handler's thread runs on. Handed back
                 # at once, another worker could start the task while this thread still runs
@@ -215,6 +222,14 @@ class Executor:
                     failed_attempts=ctx.failed_attempts,
                     non_retryable=definition.non_retryable,
                 )
+                if (
+                    outcome is not None
+                    and outcome.delay is not None
+                    and ctx.stop_reason == "timeout"
+                    and not definition.is_async
+                ):
+                    # Its thread may still run: the retry starts no sooner than a lease.
+                    outcome = dataclasses.replace(outcome, delay=max(outcome.delay, self._lease))
                 self._log_end(attempt, outcome, raised)
         finally:  # whatever happens here, the slot is freed and the attempt settled
             self._book.settle(attempt)
@@ -248,16 +263,33 @@ class Executor:
                 extra=_extra(attempt, duration_seconds=duration, outcome="released"),
             )
         else:
-            retry = "" if outcome.delay is None else f"; retry in {outcome.delay:.2f}s"
+            # The write retries only while failed attempts remain (the statement decides the
+            # same way): say what will happen, not what the policy alone would do.
+            budget_left = ctx.max_attempts is None or ctx.failed_attempts + 1 < ctx.max_attempts
+            retrying = outcome.delay is not None and budget_left
+            if retrying:
+                retry = f"; retry in {outcome.delay:.2f}s"
+            elif outcome.delay is not None:
+                retry = "; no attempts left"
+            else:
+                retry = ""
             message = "" if raised is None else f": {one_line(raised)}"
             logger.warning(
                 "task %s %s attempt %d failed after %.3fs (%s%s)%s", ctx.task_id, ctx.name,
                 ctx.attempt, duration, outcome.error_kind, message, retry,
                 extra=_extra(
                     attempt, duration_seconds=duration, error_kind=outcome.error_kind,
-                    outcome="failed" if outcome.delay is None else "retrying",
+                    outcome="retrying" if retrying else "failed",
                 ),
             )
+
+    def _time_out(self, attempt: ActiveAttempt) -> None:
+        if not attempt.settled:
+            logger.warning(
+                "task %s attempt %d ran past its time limit; stopping it",
+                attempt.task_id, attempt.lease.attempt, extra=_extra(attempt),
+            )
+            self.stop(attempt, "timeout", force=True)
 
     def stop(self, attempt: ActiveAttempt, reason: StopReason, *, force: bool = False) -> None:
         """Ask a handler to stop. Async handlers are cancelled; sync ones see ``ctx.cancelled``.

@@ -6,10 +6,12 @@ fails is logged and tried again after a backoff, and never stops the other servi
 worker. Nothing here needs a leader: every pass is written to be harmless when several workers
 run it at once (``SKIP LOCKED`` batches).
 
-Services today: `Recovery` (expired leases back to pending), `WaitTimeouts` (signal and child
-waits past their database deadline) and `WorkerPruning` (rows of workers long gone). Schedules
-and retention plug in the same way. A pass may ask to run again sooner than its interval (the
-next wait falls due), and the worker may ask for a pass soon (it just registered a wait).
+Services: `Recovery` (expired leases back to pending), `WaitTimeouts` (signal and child waits
+past their database deadline), `WorkerPruning` (rows of workers long gone), and, in their own
+modules, `Schedules` (materialising due schedule occurrences) and `Retention` (expired history
+and idempotency reservations); `maintenance_services` builds the list. A pass may ask to run
+again sooner than its interval (the next wait falls due), and the worker may ask for a pass
+soon (it just registered a wait).
 """
 
 from __future__ import annotations

@@ -78,6 +78,15 @@ class WorkerOptions:
     durable_connections: int = 4
     #: Due wait timeouts handled per statement (up to 16 statements per pass).
     wait_timeout_batch_size: int = 100
+    #: The longest the schedule materialiser sleeps (otherwise it sleeps exactly until the
+    #: next schedule falls due): bounds how late a schedule created meanwhile is noticed.
+    schedule_interval: float = 5.0
+    #: Most schedules one materialising transaction locks and materialises.
+    schedule_batch_size: int = 100
+    #: Seconds between retention passes (expired history and idempotency reservations).
+    retention_interval: float = 60.0
+    #: Rows one retention statement deletes (up to 16 statements of each kind per pass).
+    retention_batch_size: int = 1000
 
     def __post_init__(self) -> None:
         _count("concurrency", self.concurrency, 10_000)
@@ -100,6 +109,10 @@ class WorkerOptions:
         _count("write_batch_size", self.write_batch_size, 100_000)
         _count("durable_connections", self.durable_connections, 100)
         _count("wait_timeout_batch_size", self.wait_timeout_batch_size, 100_000)
+        _duration("schedule_interval", self.schedule_interval, low=0.01)
+        _count("schedule_batch_size", self.schedule_batch_size, 10_000)
+        _duration("retention_interval", self.retention_interval, low=0.01)
+        _count("retention_batch_size", self.retention_batch_size, 100_000)
         if self.queues is not None:
             if isinstance(self.queues, str) or not isinstance(self.queues, tuple):
                 raise InvalidOptionError("queues", "must be a tuple of queue names")

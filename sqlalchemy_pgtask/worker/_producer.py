@@ -5,6 +5,11 @@ runs. When fewer tasks were due than slots were free, the database says when the
 falls due (already, if a due row was locked by someone else: then it tries again shortly),
 and the loop sleeps until then, a notification, or the poll interval.
 
+Queues with a rate limit or a starvation timeout are governed: the plain claim never serves
+them, and a longer claim that does is used while any of the worker's queues is governed. The
+loop looks up which are every few seconds (`GOVERNED_REFRESH`), so a new limit holds at once
+and its queue is served again within that time.
+
 If the connection breaks during a claim, the claim may have committed: its rows are running
 under this worker's id and nobody knows. The next pass reads the worker's leases back and
 hands the unknown ones back (a release, which spends no attempt), instead of leaving them to
@@ -30,6 +35,9 @@ from sqlalchemy_pgtask.worker._reconnect import Backoff, HeldConnection, brief, 
 __all__ = ["Producer"]
 
 logger = logging.getLogger("sqlalchemy_pgtask.worker")
+
+#: Seconds between looks at which of the worker's queues are governed.
+GOVERNED_REFRESH = 2.0
 
 
 class Producer:
@@ -58,6 +66,8 @@ class Producer:
         #: Until this monotonic time, a claim that failed may still commit (its backend may
         #: not have seen the connection break yet): each pass reads the leases back till then.
         self._unknown_until = 0.0
+        self._governed = False
+        self._governed_checked = float("-inf")
 
     async def run(self) -> None:
         backoff = Backoff(cap=5.0)
@@ -97,11 +107,20 @@ class Producer:
         async with self._connection.use() as conn:
             if self._unknown_until:
                 await self._hand_back_unknown(conn)
+            if time.monotonic() - self._governed_checked >= GOVERNED_REFRESH:
+                governed = (
+                    await conn.execute(
+                        statements.GOVERNED_QUEUES, {"queues": self._capabilities["queues"]}
+                    )
+                ).first()
+                self._governed = governed is not None
+                self._governed_checked = time.monotonic()
+            claim = statements.CLAIM_GOVERNED if self._governed else statements.CLAIM
             sent = time.monotonic()
             try:
                 rows = (
                     await conn.execute(
-                        statements.CLAIM,
+                        claim,
                         statements.claim_params(
                             self._capabilities, worker_id=self._worker_id,
                             lease_seconds=self._lease, limit=free,
@@ -118,9 +137,11 @@ class Producer:
             if len(rows) == free:
                 return True, None
             await asyncio.sleep(0)  # let the new handlers start before asking
-            seconds = (
-                await conn.execute(statements.SECONDS_UNTIL_DUE, self._capabilities)
-            ).scalar_one()
+            until_due = (
+                statements.SECONDS_UNTIL_DUE_GOVERNED if self._governed
+                else statements.SECONDS_UNTIL_DUE
+            )
+            seconds = (await conn.execute(until_due, self._capabilities)).scalar_one()
         return False, None if seconds is None else float(seconds)
 
     async def hand_back_unknown(self) -> None:

@@ -23,9 +23,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask._asyncio import bounded
 from sqlalchemy_pgtask.errors import PolicyConflict
+from sqlalchemy_pgtask.registry import Registry
 from sqlalchemy_pgtask.retry import RetryPolicy
 from sqlalchemy_pgtask.statements import Capability
 from sqlalchemy_pgtask.worker._reconnect import Backoff, HeldConnection, brief, is_transient
+from sqlalchemy_pgtask.worker._schedule import reconcile_schedules
 
 __all__ = ["Registration"]
 
@@ -45,6 +47,7 @@ class Registration:
         heartbeat_interval: float,
         ttl: float,
         lock_timeout: float,
+        declared: Registry | None = None,
     ) -> None:
         self._engine = engine
         self._connection = connection
@@ -55,6 +58,8 @@ class Registration:
         self._interval = heartbeat_interval
         self._ttl = ttl
         self._lock_timeout = lock_timeout
+        #: A registry whose declared schedules are reconciled with the registration.
+        self._declared = declared
         self.draining = False
 
     async def register(self) -> None:
@@ -99,6 +104,8 @@ class Registration:
                 statements.ADD_CAPABILITIES,
                 {"worker_id": self._worker_id, **statements.identity_params(self._capabilities)},
             )
+            if self._declared is not None:
+                await reconcile_schedules(conn, self._declared)
 
     async def heartbeat(self) -> None:
         beat: statements.HeartbeatParams = {

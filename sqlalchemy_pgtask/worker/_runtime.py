@@ -36,16 +36,12 @@ from sqlalchemy_pgtask.worker._durable_calls import DurableCalls
 from sqlalchemy_pgtask.worker._executor import Executor
 from sqlalchemy_pgtask.worker._leases import LeaseKeeper
 from sqlalchemy_pgtask.worker._listener import Listener
-from sqlalchemy_pgtask.worker._maintenance import (
-    MaintenanceRunner,
-    Recovery,
-    WaitTimeouts,
-    WorkerPruning,
-)
+from sqlalchemy_pgtask.worker._maintenance import MaintenanceRunner, WaitTimeouts
 from sqlalchemy_pgtask.worker._options import WorkerOptions
 from sqlalchemy_pgtask.worker._producer import Producer
 from sqlalchemy_pgtask.worker._reconnect import HeldConnection
 from sqlalchemy_pgtask.worker._registration import Registration
+from sqlalchemy_pgtask.worker._services import maintenance_services
 from sqlalchemy_pgtask.worker._transactions import TransactionEngines
 
 __all__ = ["Worker"]
@@ -121,7 +117,8 @@ class Worker:
 
         self._connections = {name: held() for name in ("claim", "write", "control", "maintenance")}
         capabilities = [
-            Capability(d.queue, d.name, d.version, d.retry, d.max_attempts) for d in served
+            Capability(d.queue, d.name, d.version, d.retry, d.max_attempts, d.timeout)
+            for d in served
         ]
         self._wake = asyncio.Event()
         self._book = AttemptBook(options.concurrency, self._wake)
@@ -155,23 +152,14 @@ class Worker:
             stopping=self._stopping,
         )
         self._maintenance = MaintenanceRunner(
-            self._connections["maintenance"],
-            [
-                Recovery(interval=lease / 3, batch_size=options.recovery_batch_size),
-                WaitTimeouts(
-                    interval=min(options.poll_interval, 5.0),
-                    batch_size=options.wait_timeout_batch_size,
-                ),
-                WorkerPruning(
-                    interval=max(options.worker_ttl, 60.0), retention=options.worker_retention
-                ),
-            ],
+            self._connections["maintenance"], maintenance_services(options)
         )
         self._registration = Registration(
             engine=self._engine, connection=self._connections["control"], worker_id=self.id,
             queues=self.queues, capabilities=capabilities, concurrency=options.concurrency,
             heartbeat_interval=options.heartbeat_interval, ttl=options.worker_ttl,
             lock_timeout=options.effective_lock_timeout,
+            declared=registry if registry.schedules else None,
         )
         self._listener = Listener(
             self._engine, self.queues, wake=self._wake.set, wake_all=self._wake_all,

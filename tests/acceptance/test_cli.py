@@ -474,7 +474,7 @@ def test_queue_list_and_set_print_the_settings(app_dir: Path, db: Database) -> N
                       "--database-url", db.url, cwd=app_dir)
     assert changed.returncode == 0, changed.stderr
     expected = ("emails: active, capacity 0/5, terminal retention 60s, "
-                "idempotency retention 2592000s")
+                "idempotency retention 2592000s, rate unlimited, starvation timeout none")
     assert lines(changed.stdout) == [expected]
     listed = run_cli("queue", "list", "--database-url", db.url, cwd=app_dir)
     assert lines(listed.stdout) == [expected]

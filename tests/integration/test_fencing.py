@@ -131,7 +131,7 @@ def test_claim_takes_a_lease_from_database_time_and_records_the_attempt(
     assert attempt == {
         "task_id": task_id, "attempt": 1, "lease_token": row.lease_token, "worker_id": WORKER,
         "state": "running", "started_at": after["updated_at"], "finished_at": None,
-        "error": None,
+        "deadline_at": None, "error": None,
     }
     # The claim hands the handler what it needs.
     assert (row.name, row.version, row.payload, row.max_attempts) == ("job", 1, {"n": 1}, 4)

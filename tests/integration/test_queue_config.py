@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from datetime import timedelta
 
 import pytest
 from sqlalchemy import Engine, event, func, select, text, update
@@ -200,3 +201,84 @@ def test_read_committed_is_the_default_and_limits_are_counted_there(
         session.commit()
         assert configure_queue(session, "q", max_outstanding_tasks=5)["outstanding_tasks"] == 1
         session.commit()
+
+
+# -- rate limit and starvation timeout -------------------------------------------------------
+
+
+def test_rate_limit_and_starvation_timeout_round_trip(pgtask_engine: Engine) -> None:
+    with Session(pgtask_engine) as session:
+        row = configure_queue(session, "q", rate_limit=100)
+        assert (row["rate_limit"], row["rate_period_seconds"]) == (100, 1.0)  # per second
+        configure_queue(
+            session, "q", rate_limit=5000, rate_period=timedelta(hours=1),
+            starvation_timeout=timedelta(minutes=5),
+        )
+        session.commit()
+        [listed] = list_queues(session)
+        assert (listed.rate_limit, listed.rate_period_seconds) == (5000, 3600.0)
+        assert listed.starvation_timeout_seconds == 300.0
+
+        # Other options leave them alone; the period alone cannot be changed.
+        configure_queue(session, "q", max_outstanding_tasks=3, starvation_timeout=0.5)
+        [listed] = list_queues(session)
+        assert (listed.rate_limit, listed.rate_period_seconds) == (5000, 3600.0)
+        assert listed.starvation_timeout_seconds == 0.5
+
+        row = configure_queue(session, "q", rate_limit=None, starvation_timeout=None)
+        session.commit()
+    assert (row["rate_limit"], row["rate_period_seconds"]) == (None, None)
+    assert row["starvation_timeout_seconds"] is None
+
+
+def test_a_rate_limit_without_a_period_means_per_second_again(pgtask_engine: Engine) -> None:
+    with Session(pgtask_engine) as session:
+        configure_queue(session, "q", rate_limit=10, rate_period=30.0)
+        row = configure_queue(session, "q", rate_limit=20)
+        session.commit()
+    assert (row["rate_limit"], row["rate_period_seconds"]) == (20, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"rate_limit": 0}, "rate_limit"),
+        ({"rate_limit": -5}, "rate_limit"),
+        ({"rate_limit": 2**31}, "rate_limit"),
+        ({"rate_limit": 1.5}, "rate_limit"),
+        ({"rate_limit": True}, "rate_limit"),
+        ({"rate_limit": 5, "rate_period": 0}, "rate_period"),
+        ({"rate_limit": 5, "rate_period": -1.0}, "rate_period"),
+        ({"rate_limit": 5, "rate_period": float("nan")}, "rate_period"),
+        ({"rate_limit": 5, "rate_period": float("inf")}, "rate_period"),
+        ({"rate_limit": 5, "rate_period": None}, "rate_period"),
+        ({"rate_limit": 5, "rate_period": "1s"}, "rate_period"),
+        ({"rate_limit": 5, "rate_period": timedelta(days=40000)}, "rate_period"),
+        ({"rate_period": 10.0}, "rate_period"),  # the period alone
+        ({"rate_limit": None, "rate_period": 10.0}, "rate_period"),
+        ({"starvation_timeout": 0}, "starvation_timeout"),
+        ({"starvation_timeout": -1}, "starvation_timeout"),
+        ({"starvation_timeout": timedelta(0)}, "starvation_timeout"),
+        ({"starvation_timeout": float("nan")}, "starvation_timeout"),
+        ({"starvation_timeout": "5"}, "starvation_timeout"),
+    ],
+)
+def test_bad_rate_or_starvation_settings_are_rejected_before_any_sql(
+    pgtask_engine: Engine, kwargs: dict[str, object], field: str
+) -> None:
+    with Session(pgtask_engine) as session:
+        with pytest.raises(InvalidOptionError) as refused:
+            configure_queue(session, "q", **kwargs)  # type: ignore[arg-type]
+        assert refused.value.field == field
+        assert not session.in_transaction()
+
+
+async def test_the_async_twin_sets_rate_and_starvation(pgtask_async_engine: AsyncEngine) -> None:
+    async with AsyncSession(pgtask_async_engine) as session:
+        await configure_queue_async(
+            session, "q", rate_limit=7, rate_period=60, starvation_timeout=12.5
+        )
+        await session.commit()
+        [listed] = await list_queues_async(session)
+    assert (listed.rate_limit, listed.rate_period_seconds) == (7, 60.0)
+    assert listed.starvation_timeout_seconds == 12.5

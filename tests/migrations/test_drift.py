@@ -24,7 +24,10 @@ from sqlalchemy_pgtask.testing import ServerInfo, create_database, drop_database
 from tests.support.catalog import catalog_snapshot
 from tests.support.engines import engine_for
 
-_REVISIONS = ("pgtask_0001_initial", "pgtask_0002_runtime_v2", "pgtask_0003_durable")
+_REVISIONS = (
+    "pgtask_0001_initial", "pgtask_0002_runtime_v2", "pgtask_0003_durable",
+    "pgtask_0004_operations",
+)
 
 
 def _documented_triggers() -> set[str]:
@@ -34,7 +37,7 @@ def _documented_triggers() -> set[str]:
     for name in _REVISIONS:
         revision = importlib.import_module(f"sqlalchemy_pgtask.migrations.versions.{name}")
         for line in (revision.__doc__ or "").split("\n* "):
-            found = set(re.findall(r"``((?:tasks|queues|signals)_\w+)``", line))
+            found = set(re.findall(r"``((?:tasks|queues|signals|audit_log)_\w+)``", line))
             if re.search(r"\bis dropped\b", line):
                 documented -= found
             else:

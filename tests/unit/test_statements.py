@@ -52,7 +52,13 @@ WORKER_STATEMENTS = {
     "WAIT_TIMEOUTS": statements.WAIT_TIMEOUTS,
     "NEXT_WAIT_TIMEOUT": statements.NEXT_WAIT_TIMEOUT,
     "EMIT_SIGNAL": statements.EMIT_SIGNAL,
+    # Only for workers with governed queues (rate limits, starvation timeouts).
+    "CLAIM_GOVERNED": statements.CLAIM_GOVERNED,
+    "SECONDS_UNTIL_DUE_GOVERNED": statements.SECONDS_UNTIL_DUE_GOVERNED,
+    "GOVERNED_QUEUES": statements.GOVERNED_QUEUES,
 }
+#: Longer than psycopg caches parsing for, and run only by workers that need them.
+LONG_STATEMENTS = {"CLAIM_GOVERNED"}
 #: The durable statements that are fenced by an attempt's lease, and what else they bind.
 DURABLE_FENCED = {
     "SAVE_CHECKPOINT": {"kind", "value"},
@@ -75,6 +81,10 @@ BUILT: dict[str, Mapping[str, object]] = {
         CAPABILITIES, worker_id=uuid.uuid4(), lease_seconds=30.0, limit=10
     ),
     "SECONDS_UNTIL_DUE": CAPABILITIES,
+    "CLAIM_GOVERNED": statements.claim_params(
+        CAPABILITIES, worker_id=uuid.uuid4(), lease_seconds=30.0, limit=10
+    ),
+    "SECONDS_UNTIL_DUE_GOVERNED": CAPABILITIES,
     "RENEW": statements.renew_params(LEASES, 30.0),
     "COMPLETE": statements.complete_params(LEASES, ["1"]),
     "FAIL": statements.fail_params(LEASES, ["{}"], [1]),
@@ -150,10 +160,20 @@ def test_claim_probes_each_served_queue_by_priority_then_run_at_within_the_limit
     assert "WHERE c.queue = capabilities.queue" in picked
 
 
-def test_claim_skips_paused_queues() -> None:
+def test_claim_skips_paused_and_governed_queues() -> None:
     served = sql("CLAIM").split("served AS")[1].split("picked AS")[0]
     assert "WITH ORDINALITY AS served(name, ord)" in served
-    assert "pgtask.queues.paused_at IS NOT NULL" in served
+    assert "q.paused_at IS NOT NULL" in served
+    assert "q.rate_limit IS NOT NULL" in served
+    assert "q.starvation_timeout_seconds IS NOT NULL" in served
+
+
+def test_governed_claim_serves_unpaused_queues_with_their_limits() -> None:
+    served = sql("CLAIM_GOVERNED").split("served AS")[1].split("buckets AS")[0]
+    assert "LEFT OUTER JOIN pgtask.queues" in served
+    assert "pgtask.queues.paused_at IS NULL" in served
+    buckets = sql("CLAIM_GOVERNED").split("buckets AS")[1].split("allowance AS")[0]
+    assert "FOR UPDATE OF rate_buckets" in buckets
 
 
 def test_claim_sets_the_lease_expiry_from_database_time() -> None:
@@ -168,7 +188,7 @@ def test_claim_fills_an_unset_max_attempts_from_the_capability() -> None:
     assert "max_attempts=coalesce(t.max_attempts, capabilities.max_attempts)" in sql("CLAIM")
 
 
-@pytest.mark.parametrize("name", sorted(WORKER_STATEMENTS))
+@pytest.mark.parametrize("name", sorted(set(WORKER_STATEMENTS) - LONG_STATEMENTS))
 def test_worker_statements_stay_under_psycopgs_limit_for_cached_parsing(name: str) -> None:
     # psycopg parses a query text of at most 4 KiB once and caches it; a longer one is parsed
     # again on every execution (measured: a claim 40 bytes over the limit cost ~10% of a drain).

@@ -1,0 +1,226 @@
+"""_materialize: turns due schedule occurrences into tasks, in one transaction; leaderless.
+
+Any number of workers (or ``materialize_schedules`` callers) may run this at once:
+
+1. read database now (``pgtask.now()``) once;
+2. lock a batch of due, unpaused schedules ``FOR NO KEY UPDATE SKIP LOCKED`` (so concurrent
+   materialisers take different schedules and never wait for each other);
+3. per schedule, in its own savepoint: compute the occurrences in Python from that now
+   (misfire and overlap policies, `plan_occurrences`), insert their tasks and advance the
+   cursor in one statement. The unique ``(schedule_name, scheduled_for)`` index makes an
+   occurrence that already has its task a no-op, so even a cursor moved back cannot
+   duplicate one.
+
+Failures stay with their schedule:
+
+* a queue at capacity (PT001) rolls the savepoint back and leaves the cursor at the first
+  occurrence not created: it waits there until there is room (never lost, never doubled);
+* a deterministic failure (a definition that cannot be computed, a task the database
+  refuses) rolls the savepoint back, records ``last_error`` and moves the cursor to the
+  first occurrence at least `FAILURE_RETRY` after now (the occurrences in between are not
+  created), so a broken schedule is retried about once a minute, not on every pass;
+* a transient failure (connection, lock or statement timeout, serialisation) aborts the
+  whole transaction: nothing of it commits, and the next pass tries again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any, Final
+
+from sqlalchemy import Connection, select, text
+from sqlalchemy.exc import DBAPIError
+
+from sqlalchemy_pgtask._cron import Occurrences, Recurrence, RecurrenceError, plan_occurrences
+from sqlalchemy_pgtask._enqueue_plan import new_ids
+from sqlalchemy_pgtask.statements import NOW
+from sqlalchemy_pgtask.statements.schedule import ADVANCE, DUE_SCHEDULES, MATERIALIZE
+
+__all__ = ["FAILURE_RETRY", "MaterializeReport", "materialize_in"]
+
+logger = logging.getLogger("sqlalchemy_pgtask.schedule")
+
+#: How long a schedule that failed deterministically rests before it is tried again.
+FAILURE_RETRY: Final = timedelta(seconds=60)
+_CAPACITY: Final = "PT001"
+_SAVEPOINT: Final = "pgtask_schedule"
+_ERROR_MAX: Final = 1000
+
+
+@dataclass
+class MaterializeReport:
+    """What one materialisation transaction did."""
+
+    #: Due schedules it locked (others held by concurrent materialisers were skipped).
+    selected: int = 0
+    #: Tasks it created.
+    created: int = 0
+    #: Schedules whose occurrence waits at the cursor for room in a full queue.
+    waiting: list[str] = field(default_factory=list)
+    #: Schedules whose failure was recorded in ``last_error``.
+    failed: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def _savepoint(connection: Connection) -> Iterator[None]:
+    connection.execute(text(f"SAVEPOINT {_SAVEPOINT}"))
+    try:
+        yield
+    except BaseException:
+        connection.execute(text(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}"))
+        connection.execute(text(f"RELEASE SAVEPOINT {_SAVEPOINT}"))
+        raise
+    connection.execute(text(f"RELEASE SAVEPOINT {_SAVEPOINT}"))
+
+
+#: insufficient_privilege: a role without the worker's grants.
+_PERMISSION_DENIED: Final = "42501"
+
+
+def _sqlstate(exc: DBAPIError) -> str | None:
+    return getattr(exc.orig, "sqlstate", None)
+
+
+def brief(exc: BaseException) -> str:
+    # Imported late: the worker package imports the public API, which imports this module.
+    from sqlalchemy_pgtask.worker._reconnect import brief as describe
+
+    return describe(exc)
+
+
+def is_transient(exc: BaseException) -> bool:
+    from sqlalchemy_pgtask.worker._reconnect import is_transient as transient
+
+    return transient(exc)
+
+
+def _insert(connection: Connection, name: str, due: Sequence[datetime], cursor: datetime) -> int:
+    row = connection.execute(
+        MATERIALIZE,
+        {
+            "schedule": name, "ids": new_ids(len(due)), "occurrences": list(due),
+            "last": due[-1], "cursor": cursor,
+        },
+    ).first()
+    return 0 if row is None else int(row.created)
+
+
+def _advance(connection: Connection, name: str, cursor: datetime, error: str | None) -> None:
+    connection.execute(ADVANCE, {"schedule": name, "cursor": cursor, "error": error})
+
+
+def _fail(
+    connection: Connection,
+    row: Mapping[Any, Any],
+    recurrence: Recurrence | None,
+    now: datetime,
+    reason: str,
+    report: MaterializeReport,
+) -> None:
+    retry_at = now + FAILURE_RETRY
+    cursor = retry_at
+    if recurrence is not None:
+        with contextlib.suppress(RecurrenceError):
+            cursor = max(retry_at, recurrence.next_after(retry_at, row["next_run_at"]))
+    message = f"{reason}"[:_ERROR_MAX]
+    logger.warning(
+        "schedule %r failed (%s); it is tried again at its occurrence %s",
+        row["name"], message, cursor.isoformat(),
+    )
+    _advance(connection, row["name"], cursor, message)
+    report.failed.append(row["name"])
+
+
+def _wait_for_room(
+    connection: Connection,
+    row: Mapping[Any, Any],
+    plan: Occurrences,
+    report: MaterializeReport,
+    exc: DBAPIError,
+) -> None:
+    """The batch did not fit: create the occurrences that fit, oldest first; the cursor
+    stays at the first one that did not."""
+    due = plan.due
+    index = 0
+    if len(due) > 1:
+        while index < len(due):
+            after = due[index + 1] if index + 1 < len(due) else plan.next_run_at
+            try:
+                with _savepoint(connection):
+                    one = due[index : index + 1]
+                    report.created += _insert(connection, row["name"], one, after)
+            except DBAPIError as again:
+                if _sqlstate(again) != _CAPACITY:
+                    raise
+                break
+            index += 1
+    if index == len(due):
+        return
+    reason = getattr(getattr(exc.orig, "diag", None), "message_primary", None) or brief(exc)
+    logger.info(
+        "schedule %r: %s; occurrence %s waits for room", row["name"], reason, due[index].isoformat()
+    )
+    _advance(
+        connection, row["name"], due[index],
+        f"waiting for room: {reason} (occurrence {due[index].isoformat()})"[:_ERROR_MAX],
+    )
+    report.waiting.append(row["name"])
+
+
+def _materialize_one(
+    connection: Connection, row: Mapping[Any, Any], now: datetime, report: MaterializeReport
+) -> None:
+    name = row["name"]
+    recurrence: Recurrence | None = None
+    try:
+        recurrence = Recurrence.of(row["cron"], row["interval_seconds"], row["timezone"])
+        plan = plan_occurrences(
+            recurrence,
+            cursor=row["next_run_at"].astimezone(timezone.utc),
+            now=now,
+            misfire=row["misfire"],
+            catch_up_limit=row["catch_up_limit"],
+            previous_active=bool(row["previous_active"]) and row["overlap"] == "skip",
+        )
+    except RecurrenceError as exc:
+        _fail(connection, row, recurrence, now, f"cannot compute occurrences: {exc}", report)
+        return
+    if plan.dropped:
+        logger.info(
+            "schedule %r: occurrences from %s missed (misfire %r, overlap %r)",
+            name, row["next_run_at"].isoformat(), row["misfire"], row["overlap"],
+        )
+    if not plan.due:
+        _advance(connection, name, plan.next_run_at, None)
+        return
+    try:
+        with _savepoint(connection):
+            report.created += _insert(connection, name, plan.due, plan.next_run_at)
+    except DBAPIError as exc:
+        if _sqlstate(exc) == _CAPACITY:
+            _wait_for_room(connection, row, plan, report, exc)
+        elif is_transient(exc) or _sqlstate(exc) == _PERMISSION_DENIED:
+            # Not this schedule's fault: a missing privilege is the deployment's to fix.
+            raise
+        else:
+            _fail(connection, row, recurrence, now, f"the database refused its task: {brief(exc)}",
+                  report)
+
+
+def materialize_in(
+    connection: Connection, limit: int, exclude: Sequence[str] = ()
+) -> MaterializeReport:
+    """Materialise up to ``limit`` due schedules (none named in ``exclude``) in
+    ``connection``'s current transaction; never commits."""
+    now: datetime = connection.execute(select(NOW)).scalar_one().astimezone(timezone.utc)
+    rows = connection.execute(
+        DUE_SCHEDULES, {"now": now, "limit": limit, "exclude": list(exclude)}
+    ).mappings().all()
+    report = MaterializeReport(selected=len(rows))
+    for row in rows:
+        _materialize_one(connection, row, now, report)
+    return report

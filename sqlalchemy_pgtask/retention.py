@@ -1,0 +1,277 @@
+"""retention: delete expired task history, idempotency reservations and worker rows.
+
+History grows with every task: the task row, its attempts, checkpoints, signals and waits,
+and its idempotency key's reservation. Each queue says how long to keep them
+(``configure_queue(..., terminal_retention_seconds=, idempotency_retention_seconds=)``; a
+queue without settings keeps finished tasks 7 days and reservations 30 days), and retention
+deletes what is older, in bounded batches:
+
+* **finished tasks** (succeeded, failed, cancelled) whose ``completed_at`` is older than the
+  queue's terminal retention, oldest first, a task only once none of its children is left:
+  a tree goes leaves first, its parent in a later batch;
+* **idempotency reservations** that expired: a reservation lives until its task finished
+  more than the queue's idempotency retention ago, whether or not the task row still
+  exists. An unexpired reservation is never deleted, whatever happens to its task;
+* **worker rows** that expired longer than ``worker_retention`` ago (only when no ``queue``
+  is given: workers serve several queues).
+
+Each batch is one short statement in its own transaction that skips rows other transactions
+hold (``SKIP LOCKED``), so concurrent runs (every worker runs retention on an interval, an
+operator runs ``pgtask retention run``) share the work, each row deleted once. Retention locks
+only finished tasks and reservations, never a task a claim could take, so it never holds up a
+claim however slow it is. See ``docs/retention.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Final
+
+from sqlalchemy import Engine, Executable, Row
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from sqlalchemy_pgtask import statements
+from sqlalchemy_pgtask._connection import async_engine, sync_engine, translated_errors
+from sqlalchemy_pgtask.statements import retention as retention_statements
+from sqlalchemy_pgtask.validation import (
+    INT4_MAX,
+    check_int_range,
+    check_queue_name,
+    check_seconds,
+)
+
+__all__ = [
+    "BATCH_SIZE_MAX",
+    "WORKER_RETENTION_SECONDS",
+    "RetentionResult",
+    "RetentionSweep",
+    "run_retention",
+    "run_retention_async",
+]
+
+#: The largest batch one statement deletes.
+BATCH_SIZE_MAX: Final = 100_000
+#: How long a stopped or vanished worker's row is kept by default (`WorkerOptions`' default).
+WORKER_RETENTION_SECONDS: Final = 3600.0
+#: Retention's statements see the latest commits: a row another run deleted is not seen again.
+_ISOLATION: Final = "READ COMMITTED"
+
+#: One batch: a statement and its parameters; the driver sends back the rows it returned.
+Step = tuple[Executable, dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionResult:
+    """What one retention run deleted."""
+
+    #: Finished tasks deleted (their attempts, checkpoints, signals and waits with them).
+    tasks_deleted: int = 0
+    #: Idempotency reservations deleted (their keys may be used again).
+    keys_deleted: int = 0
+    #: Rows of workers long gone.
+    workers_deleted: int = 0
+    #: Deleting statements run, each in its own transaction.
+    batches: int = 0
+
+
+class RetentionSweep:
+    """The batches of one run (or one worker pass), as statements to execute; no I/O.
+
+    `steps` yields each statement with its parameters and expects the rows it returned back
+    (``generator.send(rows)``); the caller runs each in a transaction of its own. At most
+    ``max_batches`` batches of each kind run (None: until done). The finished-keys cursors
+    (per queue, the completion time read up to) may be shared by successive sweeps, so a
+    worker reads each finished task once rather than once per pass.
+    """
+
+    def __init__(
+        self,
+        *,
+        queue: str | None,
+        batch_size: int,
+        max_batches: int | None,
+        worker_retention: float | None,
+        cursors: dict[str, datetime] | None = None,
+    ) -> None:
+        self._queue = queue
+        self._batch = batch_size
+        self._max = max_batches
+        self._worker_retention = worker_retention
+        self.cursors: dict[str, datetime] = {} if cursors is None else cursors
+        self.tasks_deleted = 0
+        self.keys_deleted = 0
+        self.workers_deleted = 0
+        self.batches = 0
+        #: Whether some kind stopped at ``max_batches`` with work possibly left.
+        self.cut_short = False
+
+    def result(self) -> RetentionResult:
+        return RetentionResult(
+            tasks_deleted=self.tasks_deleted,
+            keys_deleted=self.keys_deleted,
+            workers_deleted=self.workers_deleted,
+            batches=self.batches,
+        )
+
+    def _more(self, done: int) -> bool:
+        if self._max is None or done < self._max:
+            return True
+        self.cut_short = True
+        return False
+
+    def steps(self) -> Generator[Step, Sequence[Row[Any]], None]:
+        yield from self._tasks()
+        yield from self._expired_keys()
+        yield from self._finished_keys()
+        if self._worker_retention is not None:
+            yield from self._workers(self._worker_retention)
+
+    def _tasks(self) -> Generator[Step, Sequence[Row[Any]], None]:
+        done = 0
+        while self._more(done):
+            rows = yield (
+                retention_statements.DELETE_FINISHED_TASKS,
+                {"queue": self._queue, "limit": self._batch},
+            )
+            done += 1
+            self.batches += 1
+            self.tasks_deleted += len(rows)
+            # A deleted child may have freed its parent, deletable in the next batch.
+            freed_parents = any(row.parent_id is not None for row in rows)
+            if len(rows) < self._batch and not freed_parents:
+                return
+
+    def _expired_keys(self) -> Generator[Step, Sequence[Row[Any]], None]:
+        done = 0
+        while self._more(done):
+            rows = yield (
+                retention_statements.DELETE_EXPIRED_KEYS,
+                {"queue": self._queue, "limit": self._batch},
+            )
+            done += 1
+            self.batches += 1
+            self.keys_deleted += len(rows)
+            if len(rows) < self._batch:
+                return
+
+    def _finished_keys(self) -> Generator[Step, Sequence[Row[Any]], None]:
+        done = 0
+        if not self._more(done):
+            return
+        queues = yield (retention_statements.FINISHED_QUEUES, {"queue": self._queue})
+        for policy in queues:
+            while self._more(done):
+                (row,) = yield (
+                    retention_statements.DELETE_FINISHED_KEYS,
+                    {
+                        "queue": policy.queue,
+                        "after": self.cursors.get(policy.queue),
+                        "scan_limit": self._batch,
+                    },
+                )
+                done += 1
+                self.batches += 1
+                self.keys_deleted += row.deleted
+                if row.reached is not None:
+                    self.cursors[policy.queue] = row.reached
+                if row.scanned < self._batch:
+                    break
+
+    def _workers(self, retention: float) -> Generator[Step, Sequence[Row[Any]], None]:
+        done = 0
+        while self._more(done):
+            rows = yield (
+                statements.PRUNE_WORKERS,
+                {"retention_seconds": retention, "limit": self._batch},
+            )
+            done += 1
+            self.batches += 1
+            self.workers_deleted += len(rows)
+            if len(rows) < self._batch:
+                return
+
+
+def _sweep(
+    queue: str | None, batch_size: int, max_batches: int | None, worker_retention: float
+) -> RetentionSweep:
+    """The run's sweep, its options validated before any SQL."""
+    if queue is not None:
+        check_queue_name(queue)
+    check_int_range("batch_size", batch_size, 1, BATCH_SIZE_MAX)
+    if max_batches is not None:
+        check_int_range("max_batches", max_batches, 1, INT4_MAX)
+    retention = check_seconds("worker_retention", worker_retention)
+    return RetentionSweep(
+        queue=queue,
+        batch_size=batch_size,
+        max_batches=max_batches,
+        worker_retention=retention if queue is None else None,
+    )
+
+
+def run_retention(
+    engine: Engine,
+    *,
+    queue: str | None = None,
+    batch_size: int = 1000,
+    max_batches: int | None = None,
+    worker_retention: float = WORKER_RETENTION_SECONDS,
+) -> RetentionResult:
+    """Delete expired history now, batch after batch, until none is left; returns the counts.
+
+    Takes an engine, not a session: each batch (at most ``batch_size`` rows) commits in a
+    short READ COMMITTED transaction of its own, on one connection of ``engine``, so a long
+    run never holds locks or an old snapshot, and what it deleted stays deleted if it is
+    interrupted. Each kind (finished tasks, expired reservations, reservations of tasks
+    finished long ago, worker rows) runs until a batch comes back short (or a deleted child
+    may have freed its parent), or ``max_batches`` batches of that kind ran.
+
+    ``queue`` limits tasks and reservations to that queue, and leaves worker rows alone;
+    ``worker_retention`` is how long after it expired a worker row is kept (seconds).
+    Safe to run while workers run, and while other runs run: they skip each other's rows.
+
+    :raises ValidationError: a bad option, before any SQL.
+    :raises SchemaNotInstalled: the database has no pgtask schema.
+    """
+    target = sync_engine(engine, "run_retention")
+    sweep = _sweep(queue, batch_size, max_batches, worker_retention)
+    steps = sweep.steps()
+    with translated_errors(), target.connect() as connection:
+        connection = connection.execution_options(isolation_level=_ISOLATION)
+        try:
+            step = next(steps)
+            while True:
+                with connection.begin():
+                    rows = connection.execute(*step).all()
+                step = steps.send(rows)
+        except StopIteration:
+            pass
+    return sweep.result()
+
+
+async def run_retention_async(
+    engine: AsyncEngine,
+    *,
+    queue: str | None = None,
+    batch_size: int = 1000,
+    max_batches: int | None = None,
+    worker_retention: float = WORKER_RETENTION_SECONDS,
+) -> RetentionResult:
+    """`run_retention` for an `AsyncEngine`; the same batches and guarantees."""
+    target = async_engine(engine, "run_retention")
+    sweep = _sweep(queue, batch_size, max_batches, worker_retention)
+    steps = sweep.steps()
+    with translated_errors():
+        async with target.connect() as connection:
+            connection = await connection.execution_options(isolation_level=_ISOLATION)
+            try:
+                step = next(steps)
+                while True:
+                    async with connection.begin():
+                        rows = (await connection.execute(*step)).all()
+                    step = steps.send(rows)
+            except StopIteration:
+                pass
+    return sweep.result()

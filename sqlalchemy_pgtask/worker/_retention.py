@@ -1,0 +1,78 @@
+"""worker._retention: the worker's retention pass, a `MaintenanceService`.
+
+Every worker runs it on an interval; nothing needs a leader. Each batch is one statement on
+the maintenance connection (autocommit: a transaction of its own), skipping rows other
+workers' passes hold, so passes running at once share the work. A pass runs at most
+`MAX_BATCHES_PER_PASS` batches of each kind and yields to the other services; a backlog is
+worked off over the following passes. Worker rows are left to `WorkerPruning`.
+
+A pass locks only finished tasks and idempotency reservations, never a task a claim could
+take: a failed, slow or stuck pass never holds up claims.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import datetime
+from typing import Final
+
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from sqlalchemy_pgtask.retention import RetentionSweep
+from sqlalchemy_pgtask.worker._maintenance import MAX_BATCHES_PER_PASS
+
+__all__ = ["Retention"]
+
+logger = logging.getLogger("sqlalchemy_pgtask.worker")
+
+#: How often the reservations of tasks that still exist are read again from the oldest: the
+#: cursors skip what was read, and a reservation skipped because another transaction held it
+#: (a concurrent pass that then rolled back) is found on the next full read.
+_REREAD_SECONDS: Final = 24 * 3600.0
+#: Seconds before the next pass when this one stopped at its batch limit with work left: a
+#: backlog drains pass after pass, each yielding to the other services in between.
+_BACKLOG_PAUSE: Final = 0.1
+
+
+class Retention:
+    """Deletes expired finished tasks and idempotency reservations, in bounded batches."""
+
+    name = "retention"
+
+    def __init__(self, *, interval: float, batch_size: int) -> None:
+        self.interval = interval
+        self._batch = batch_size
+        self._cursors: dict[str, datetime] = {}
+        self._reread_at = time.monotonic() + _REREAD_SECONDS
+
+    async def run_once(self, connection: AsyncConnection) -> float | None:
+        if time.monotonic() >= self._reread_at:
+            self._cursors.clear()
+            self._reread_at = time.monotonic() + _REREAD_SECONDS
+        sweep = RetentionSweep(
+            queue=None,
+            batch_size=self._batch,
+            max_batches=MAX_BATCHES_PER_PASS,
+            worker_retention=None,
+            cursors=self._cursors,
+        )
+        steps = sweep.steps()
+        try:
+            step = next(steps)
+            while True:
+                rows = (await connection.execute(*step)).all()
+                step = steps.send(rows)
+        except StopIteration:
+            pass
+        except BaseException:
+            # A batch that failed may have left rows behind the cursors: read from the start.
+            self._cursors.clear()
+            raise
+        finally:
+            if sweep.tasks_deleted or sweep.keys_deleted:
+                logger.info(
+                    "retention deleted %d finished task(s) and %d idempotency key(s)",
+                    sweep.tasks_deleted, sweep.keys_deleted,
+                )
+        return min(self.interval, _BACKLOG_PAUSE) if sweep.cut_short else None

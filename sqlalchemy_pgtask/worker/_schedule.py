@@ -1,0 +1,111 @@
+"""worker._schedule: every worker materialises due schedule occurrences; and the declared ones
+are reconciled at start.
+
+`Schedules` is a `MaintenanceService`: each pass runs a few short transactions on the
+worker's maintenance connection (see `sqlalchemy_pgtask._materialize`), then says how long
+until the next schedule falls due, so the worker sleeps exactly until then. No leader: any
+number of workers run it at once, and a schedule one of them holds is skipped by the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Final
+
+from sqlalchemy import Connection, text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from sqlalchemy_pgtask.registry import Registry
+from sqlalchemy_pgtask.schedule import (
+    MaterializeReport,
+    ScheduleInfo,
+    materialize_schedules,
+    write_declared,
+)
+from sqlalchemy_pgtask.statements.schedule import SECONDS_UNTIL_NEXT_SCHEDULE
+from sqlalchemy_pgtask.worker._maintenance import MAX_BATCHES_PER_PASS
+
+__all__ = ["Schedules", "reconcile_schedules"]
+
+logger = logging.getLogger("sqlalchemy_pgtask.worker")
+
+#: Seconds before looking again at due schedules another materialiser held.
+_HELD_RETRY: Final = 0.5
+
+
+@contextlib.contextmanager
+def _transaction(connection: Connection) -> Iterator[None]:
+    """An explicit transaction on the worker's autocommit connection."""
+    connection.execute(text("BEGIN"))
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):
+            connection.execute(text("ROLLBACK"))
+        raise
+    connection.execute(text("COMMIT"))
+
+
+def _pass(connection: Connection, limit: int, exclude: Sequence[str]) -> MaterializeReport:
+    with _transaction(connection):
+        return materialize_schedules(connection, limit=limit, exclude=exclude)
+
+
+class Schedules:
+    """Materialises due schedule occurrences; returns the seconds until the next one."""
+
+    name = "schedules"
+
+    def __init__(self, *, interval: float = 1.0, batch_size: int = 100) -> None:
+        #: The longest sleep: bounds how late a schedule created meanwhile is noticed.
+        self.interval = interval
+        self._batch = batch_size
+
+    async def run_once(self, connection: AsyncConnection) -> float | None:
+        """One pass on an autocommit connection; each batch is its own transaction.
+
+        Looks before it locks: with nothing due, a pass is one read of ``ix_schedules_due``.
+        """
+        skipped: list[str] = []  # waiting for room in their queue: not again this pass
+        for _ in range(MAX_BATCHES_PER_PASS):
+            seconds = await self._until_next(connection, skipped)
+            if seconds is None or seconds > 0:
+                return seconds
+            report = await connection.run_sync(_pass, self._batch, list(skipped))
+            if report.created:
+                logger.info("materialised %d scheduled task(s)", report.created)
+            skipped.extend(report.waiting)
+            if report.selected < self._batch:
+                break
+        seconds = await self._until_next(connection, skipped)
+        if seconds is not None and seconds <= 0:
+            # Still due: held by another materialiser, or more than one pass could take.
+            return min(self.interval, _HELD_RETRY)
+        return seconds
+
+    @staticmethod
+    async def _until_next(connection: AsyncConnection, skipped: list[str]) -> float | None:
+        """Seconds until the next schedule falls due (None: nothing scheduled, or only
+        schedules of full queues: look again at the interval)."""
+        seconds = (
+            await connection.execute(SECONDS_UNTIL_NEXT_SCHEDULE, {"exclude": skipped})
+        ).scalar()
+        return None if seconds is None else float(seconds)
+
+
+async def reconcile_schedules(
+    connection: AsyncConnection, registry: Registry, *, actor: str | None = None
+) -> list[ScheduleInfo]:
+    """Write the schedules declared in ``registry`` (``declared`` true), in ``connection``'s
+    transaction, which the caller commits: a new or changed definition is written (a changed
+    one restarts from database now), an unchanged one keeps its cursor and writes nothing.
+    Schedules no longer declared are left alone (delete them with ``pgtask schedule delete``).
+    """
+    written = []
+    for declared in registry.schedules:
+        written.append(await connection.run_sync(write_declared, declared, actor))
+    if written:
+        logger.info("reconciled %d declared schedule(s)", len(written))
+    return written
