@@ -290,19 +290,23 @@ class Listener:
 
 @contextlib.asynccontextmanager
 async def listening_connection(
-    engine: AsyncEngine, *channels: str, timeout: float
+    engine: AsyncEngine, *channels: str, timeout: float, lock: tuple[int, int] | None = None
 ) -> AsyncIterator[AsyncListener]:
-    """A connection of ``engine`` that LISTENs on ``channels``.
+    """A connection of ``engine`` that LISTENs on ``channels`` (holding the advisory ``lock``
+    in shared mode, if given, for as long as it is open).
 
     The connection comes from the engine, so its ``connect_args``, ``creator`` and events
-    apply; it is invalidated afterwards instead of going back to the pool with a LISTEN on it.
-    Connecting and subscribing each give up after ``timeout`` seconds.
+    apply; it is invalidated afterwards instead of going back to the pool with a LISTEN on it
+    (which also releases the lock). Connecting and subscribing each give up after ``timeout``
+    seconds.
     """
     connection = await bounded(engine.connect(), timeout, discard=_close)
     try:
         raw = await connection.get_raw_connection()
         driver: Any = raw.driver_connection  # psycopg.AsyncConnection
         await bounded(driver.set_autocommit(True), timeout)
+        if lock is not None:
+            await bounded(driver.execute("SELECT pg_advisory_lock_shared(%s, %s)", lock), timeout)
         for channel in channels:
             await bounded(driver.execute(f"LISTEN {channel}"), timeout)
         yield AsyncListener(driver)

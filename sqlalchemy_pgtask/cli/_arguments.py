@@ -94,6 +94,11 @@ def _add_worker(commands: Any) -> None:
         help="longest idle sleep without a notification (default: %(default)s)",
     )
     worker.add_argument(
+        "--no-instant-rescue", dest="instant_rescue", action="store_false",
+        help="hold no advisory lock and rescue no dead worker's tasks early: leases alone "
+        "recover them (for transaction-pooling proxies, where session locks say nothing)",
+    )
+    worker.add_argument(
         "--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)"
     )
     worker.add_argument(
@@ -190,10 +195,14 @@ def _add_queue(commands: Any) -> None:
     rate = change.add_mutually_exclusive_group()
     rate.add_argument(
         "--rate-limit", type=_inspect.rate_argument, metavar="N/PERIOD",
-        help="most task starts per period across all workers: N/s, N/m, N/h, N/d, or "
-        "N/<seconds>s such as 100/30s",
+        help="most task starts per period across all workers: N/s, N/m, N/h, N/d, "
+        "N/<seconds>s such as 100/30s, or N with --rate-period",
     )
     rate.add_argument("--no-rate-limit", action="store_true", help="remove the rate limit")
+    change.add_argument(
+        "--rate-period", type=_inspect.positive_seconds_argument, metavar="SECONDS",
+        help="the period of a bare --rate-limit N (default: 1 second)",
+    )
     starvation = change.add_mutually_exclusive_group()
     starvation.add_argument(
         "--starvation-timeout", type=_inspect.positive_seconds_argument, metavar="SECONDS",

@@ -69,6 +69,7 @@ def worker(args: argparse.Namespace) -> int:
         lease_duration=args.lease_duration,
         shutdown_grace=args.shutdown_grace,
         poll_interval=args.poll_interval,
+        instant_rescue=args.instant_rescue,
     )
     # First signal: drain; second: hand back what runs and stop now; later ones are ignored
     # until the process has exited, so a late signal cannot turn a clean exit into 143/130.

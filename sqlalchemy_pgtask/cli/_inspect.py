@@ -30,7 +30,7 @@ from sqlalchemy_pgtask.admin import pause_queue, resume_queue, retry
 from sqlalchemy_pgtask.audit import AUDIT_LIMIT_MAX, AuditRecord, list_audit
 from sqlalchemy_pgtask.cli import _render
 from sqlalchemy_pgtask.cli._connection import in_transaction
-from sqlalchemy_pgtask.cli._errors import EXIT_OK
+from sqlalchemy_pgtask.cli._errors import EXIT_OK, UsageError
 from sqlalchemy_pgtask.states import RUNNING
 
 __all__ = [
@@ -51,19 +51,29 @@ __all__ = [
     "task_show",
 ]
 
-_RATE: Final = re.compile(r"(\d+)/(\d+(?:\.\d*)?)?([smhd])")
-_UNIT_SECONDS: Final = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_RATE: Final = re.compile(
+    r"(\d+)(?:/(\d+(?:\.\d*)?)?(s|m|h|d|sec|second|min|minute|hour|day))?"
+)
+_UNIT_SECONDS: Final = {
+    "s": 1.0, "sec": 1.0, "second": 1.0, "m": 60.0, "min": 60.0, "minute": 60.0,
+    "h": 3600.0, "hour": 3600.0, "d": 86400.0, "day": 86400.0,
+}
 
 
-def rate_argument(text: str) -> tuple[int, float]:
-    """``N/s``, ``N/m``, ``N/h``, ``N/d`` or ``N/<count><unit>`` (``100/30s``): a rate limit
-    and its period in seconds."""
+def rate_argument(text: str) -> tuple[int, float | None]:
+    """``N/s``, ``N/m``, ``N/h``, ``N/d`` (or ``/second``, ``/minute``...), ``N/<count><unit>``
+    (``100/30s``), or a bare ``N`` (its period from ``--rate-period``, else a second): a rate
+    limit and its period in seconds (None: not given)."""
     match = _RATE.fullmatch(text.replace(" ", ""))
     if match is None:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a rate: write N/s, N/m, N/h, N/d or N/<seconds>s (e.g. 100/30s)"
         )
     limit, count, unit = match.groups()
+    if unit is None:
+        if not 1 <= int(limit) <= 2**31 - 1:
+            raise argparse.ArgumentTypeError(f"the count of {text!r} must be 1 to {2**31 - 1}")
+        return int(limit), None
     period = (float(count) if count else 1.0) * _UNIT_SECONDS[unit]
     if not 1 <= int(limit) <= 2**31 - 1:
         raise argparse.ArgumentTypeError(f"the count of {text!r} must be 1 to {2**31 - 1}")
@@ -203,7 +213,15 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     if args.no_rate_limit:
         options["rate_limit"] = None
     elif args.rate_limit is not None:
-        options["rate_limit"], options["rate_period"] = args.rate_limit
+        limit, period = args.rate_limit
+        if period is not None and args.rate_period is not None:
+            raise UsageError(
+                "give the period in --rate-limit (N/PERIOD) or --rate-period, not both"
+            )
+        options["rate_limit"] = limit
+        options["rate_period"] = period if period is not None else args.rate_period or 1.0
+    elif args.rate_period is not None:
+        raise UsageError("--rate-period needs --rate-limit N")
     if args.no_starvation_timeout:
         options["starvation_timeout"] = None
     elif args.starvation_timeout is not None:

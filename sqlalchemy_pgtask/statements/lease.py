@@ -74,6 +74,7 @@ __all__ = [
     "complete_params",
     "fail_params",
     "fence_params",
+    "recover_from",
     "release_params",
     "renew_params",
 ]
@@ -326,15 +327,10 @@ RELEASE: Final = _release()
 # -- recovery and reads --------------------------------------------------------------------
 
 
-def _recover() -> Select[Any]:
-    expired = (
-        select(tasks.c.id)
-        .where(tasks.c.state == literal_column("'running'"), tasks.c.lease_expires_at <= NOW)
-        .order_by(tasks.c.lease_expires_at, tasks.c.id)
-        .limit(bindparam("limit", type_=Integer))
-        .with_for_update(skip_locked=True, key_share=True)
-        .cte("expired")
-    )
+def recover_from(expired: CTE, error: ColumnElement[Any] = _EXPIRED_ERROR) -> Select[Any]:
+    """Takes back the running tasks ``expired`` selects (and locks): pending while attempts
+    remain (the lost attempt counts as failed), failed otherwise, cancelled if requested;
+    their attempts are recorded as ``lost`` with ``error``."""
     cancel = tasks.c.cancel_requested_at.is_not(None)
     retry = tasks.c.failed_attempts + 1 < tasks.c.max_attempts
     state = case(
@@ -348,7 +344,7 @@ def _recover() -> Select[Any]:
         .values(
             state=state,
             failed_attempts=tasks.c.failed_attempts + case((cancel, 0), else_=1),
-            error=case((cancel, CANCELLED_ERROR), else_=_EXPIRED_ERROR),
+            error=case((cancel, CANCELLED_ERROR), else_=error),
             run_at=NOW,
             completed_at=case((and_(~cancel, retry), null()), else_=NOW),
             lease_token=None,
@@ -366,7 +362,7 @@ def _recover() -> Select[Any]:
             attempts.c.task_id == done.c.id,
             attempts.c.attempt == done.c.attempt,
         )
-        .values(state="lost", finished_at=NOW, error=_EXPIRED_ERROR)
+        .values(state="lost", finished_at=NOW, error=error)
         .cte("recorded")
     )
     return select(done.c.id, done.c.state).add_cte(recorded)
@@ -377,7 +373,14 @@ def _recover() -> Select[Any]:
 #: otherwise, cancelled if cancellation was requested. Locks the expired rows with ``SKIP
 #: LOCKED`` so recoverers never wait on each other; served by ``ix_tasks_lease_expiry``. Returns
 #: ``(id, state)`` per recovered task.
-RECOVER: Final = _recover()
+RECOVER: Final = recover_from(
+    select(tasks.c.id)
+    .where(tasks.c.state == literal_column("'running'"), tasks.c.lease_expires_at <= NOW)
+    .order_by(tasks.c.lease_expires_at, tasks.c.id)
+    .limit(bindparam("limit", type_=Integer))
+    .with_for_update(skip_locked=True, key_share=True)
+    .cte("expired")
+)
 
 #: The authoritative lease state of some tasks, read when a write's outcome is unknown (the
 #: connection broke around its commit) or a fenced write skipped a locked row. Locks nothing.

@@ -14,6 +14,7 @@ from sqlalchemy import (
     TableValuedAlias,
     Text,
     bindparam,
+    case,
     func,
     insert,
     select,
@@ -63,6 +64,7 @@ class RegisterParams(TypedDict):
     pid: int
     concurrency: int
     ttl_seconds: float
+    lock_key: int | None
 
 
 class HeartbeatParams(TypedDict):
@@ -107,6 +109,8 @@ def _register_worker() -> PgInsert:
         "hostname": bindparam("hostname", type_=Text),
         "pid": bindparam("pid", type_=Integer),
         "concurrency": bindparam("concurrency", type_=Integer),
+        "lock_key": bindparam("lock_key", type_=Integer),
+        "locked_at": None,
         "draining": False,
         "started_at": NOW,
         "heartbeat_at": NOW,
@@ -118,13 +122,14 @@ def _register_worker() -> PgInsert:
         set_={
             name: statement.excluded[name]
             for name in ("queues", "version", "hostname", "pid", "concurrency", "heartbeat_at",
-                         "expires_at", "draining")
+                         "expires_at", "draining", "lock_key", "locked_at")
         },
     )
 
 
-#: Upserts this worker's row as live (not draining) until database time + ``ttl_seconds``.
-#: Binds `RegisterParams`.
+#: Upserts this worker's row as live (not draining) until database time + ``ttl_seconds``,
+#: with the key of the advisory lock its connections hold (``locked_at`` waits for the first
+#: heartbeat). Binds `RegisterParams`.
 REGISTER_WORKER: Final = _register_worker()
 
 #: Deletes a worker's capabilities before they are written again. Binds ``worker_id``.
@@ -202,7 +207,9 @@ STORED_POLICIES: Final = select(*(policies.c[c] for c in POLICY_COLUMNS)).where(
 )
 
 #: Refreshes a worker's liveness (and its draining flag). Returns its id, or no row if the
-#: worker row was deleted and the worker must register again. Binds `HeartbeatParams`.
+#: worker row was deleted and the worker must register again. Binds `HeartbeatParams`. Run on
+#: a connection that holds the worker's advisory lock, it also records that the lock is held
+#: now (``locked_at``).
 HEARTBEAT: Final = (
     update(workers)
     .where(workers.c.id == bindparam("worker_id", type_=UUID_T))
@@ -210,6 +217,7 @@ HEARTBEAT: Final = (
         heartbeat_at=NOW,
         expires_at=NOW + seconds(bindparam("ttl_seconds", type_=Double)),
         draining=bindparam("draining", type_=Boolean),
+        locked_at=case((workers.c.lock_key.is_(None), None), else_=NOW),
     )
     .returning(workers.c.id)
 )

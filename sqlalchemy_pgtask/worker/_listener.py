@@ -32,8 +32,10 @@ class Listener:
         wake: Callable[[], None],
         wake_all: Callable[[], None],
         connect_timeout: float,
+        lock: tuple[int, int] | None = None,
     ) -> None:
         self._engine = engine
+        self._lock = lock
         self._queues = frozenset(queues)
         self._wake = wake
         self._wake_all = wake_all
@@ -46,7 +48,7 @@ class Listener:
         while True:
             try:
                 async with listening_connection(
-                    self._engine, READY_CHANNEL, timeout=self._timeout
+                    self._engine, READY_CHANNEL, timeout=self._timeout, lock=self._lock
                 ) as listener:
                     backoff.reset()
                     self.listening.set()

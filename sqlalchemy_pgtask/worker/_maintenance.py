@@ -6,7 +6,8 @@ fails is logged and tried again after a backoff, and never stops the other servi
 worker. Nothing here needs a leader: every pass is written to be harmless when several workers
 run it at once (``SKIP LOCKED`` batches).
 
-Services: `Recovery` (expired leases back to pending), `WaitTimeouts` (signal and child waits
+Services: `Recovery` (expired leases back to pending), `Rescue` (the tasks of workers that are
+gone, without waiting for their leases), `WaitTimeouts` (signal and child waits
 past their database deadline), `WorkerPruning` (rows of workers long gone), and, in their own
 modules, `Schedules` (materialising due schedule occurrences) and `Retention` (expired history
 and idempotency reservations); `maintenance_services` builds the list. A pass may ask to run
@@ -24,13 +25,22 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
+from sqlalchemy import Executable
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask._asyncio import bounded
+from sqlalchemy_pgtask.statements.rescue import RESCUE
 from sqlalchemy_pgtask.worker._reconnect import Backoff, HeldConnection, brief, is_transient
 
-__all__ = ["MaintenanceRunner", "MaintenanceService", "Recovery", "WaitTimeouts", "WorkerPruning"]
+__all__ = [
+    "MaintenanceRunner",
+    "MaintenanceService",
+    "Recovery",
+    "Rescue",
+    "WaitTimeouts",
+    "WorkerPruning",
+]
 
 logger = logging.getLogger("sqlalchemy_pgtask.worker")
 
@@ -55,10 +65,12 @@ class MaintenanceService(Protocol):
         """
 
 
-class Recovery:
-    """Returns tasks whose lease expired (their worker died or stalled) to pending."""
+class _TakeBack:
+    """A service that takes running tasks back in batches of one statement each."""
 
-    name = "recovery"
+    name: str
+    _statement: Executable
+    _message: str
 
     def __init__(self, *, interval: float, batch_size: int) -> None:
         self.interval = interval
@@ -66,12 +78,28 @@ class Recovery:
 
     async def run_once(self, connection: AsyncConnection) -> float | None:
         for _ in range(MAX_BATCHES_PER_PASS):
-            rows = (await connection.execute(statements.RECOVER, {"limit": self._batch})).all()
+            rows = (await connection.execute(self._statement, {"limit": self._batch})).all()
             if rows:
-                logger.info("recovered %d task(s) with expired leases", len(rows))
+                logger.warning(self._message, len(rows))
             if len(rows) < self._batch:
                 break
         return None
+
+
+class Recovery(_TakeBack):
+    """Returns tasks whose lease expired (their worker died or stalled) to pending."""
+
+    name = "recovery"
+    _statement = statements.RECOVER
+    _message = "recovered %d task(s) with expired leases"
+
+
+class Rescue(_TakeBack):
+    """Takes back at once the running tasks of workers whose connections are all gone."""
+
+    name = "rescue"
+    _statement = RESCUE
+    _message = "rescued %d task(s) of a worker that is gone, before their leases expired"
 
 
 class WaitTimeouts:

@@ -76,6 +76,13 @@ class WorkerOptions:
     #: spawns); each call takes one for a single statement. ``ctx.transaction`` blocks use
     #: the engine's pool instead.
     durable_connections: int = 4
+    #: Rescue the tasks of a dead worker at once instead of at lease expiry: every
+    #: connection of a worker holds a shared advisory lock, and a worker whose lock is gone
+    #: is dead. Turn off behind a transaction-pooling proxy (locks say nothing there; leases
+    #: still recover the tasks).
+    instant_rescue: bool = True
+    #: Seconds between looks for dead workers' tasks.
+    rescue_interval: float = 1.0
     #: Due wait timeouts handled per statement (up to 16 statements per pass).
     wait_timeout_batch_size: int = 100
     #: The longest the schedule materialiser sleeps (otherwise it sleeps exactly until the
@@ -109,6 +116,9 @@ class WorkerOptions:
         _count("write_batch_size", self.write_batch_size, 100_000)
         _count("durable_connections", self.durable_connections, 100)
         _count("wait_timeout_batch_size", self.wait_timeout_batch_size, 100_000)
+        if not isinstance(self.instant_rescue, bool):
+            raise InvalidOptionError("instant_rescue", "must be a bool")
+        _duration("rescue_interval", self.rescue_interval, low=0.01)
         _duration("schedule_interval", self.schedule_interval, low=0.01)
         _count("schedule_batch_size", self.schedule_batch_size, 10_000)
         _duration("retention_interval", self.retention_interval, low=0.01)

@@ -98,8 +98,12 @@ class HeldConnection:
         lock_timeout: float,
         statement_timeout: float,
         planner: Sequence[tuple[str, str]] = PLANNER_SETTINGS,
+        lock: tuple[int, int] | None = None,
     ) -> None:
         self._engine = engine
+        #: An advisory lock every physical connection holds (shared) while it is open: the
+        #: worker's sign of life (`statements.rescue`).
+        self._lock = lock
         self._settings = (
             ("lock_timeout", _milliseconds(lock_timeout)),
             ("statement_timeout", _milliseconds(statement_timeout)),
@@ -125,6 +129,8 @@ class HeldConnection:
                 await connection.execute(
                     select(*(func.set_config(name, value, False) for name, value in self._settings))
                 )
+                if self._lock is not None:
+                    await connection.execute(select(func.pg_advisory_lock_shared(*self._lock)))
             except BaseException:
                 await connection.invalidate()
                 await connection.close()
@@ -143,6 +149,8 @@ class HeldConnection:
             return
         with contextlib.suppress(Exception):
             if reset:
+                if self._lock is not None:
+                    await connection.execute(select(func.pg_advisory_unlock_shared(*self._lock)))
                 for name, _ in self._settings:
                     await connection.execute(text(f"RESET {name}"))
             else:

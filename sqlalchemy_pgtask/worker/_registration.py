@@ -48,6 +48,7 @@ class Registration:
         ttl: float,
         lock_timeout: float,
         declared: Registry | None = None,
+        lock_key: int | None = None,
     ) -> None:
         self._engine = engine
         self._connection = connection
@@ -60,6 +61,7 @@ class Registration:
         self._lock_timeout = lock_timeout
         #: A registry whose declared schedules are reconciled with the registration.
         self._declared = declared
+        self._lock_key = lock_key
         self.draining = False
 
     async def register(self) -> None:
@@ -97,6 +99,7 @@ class Registration:
                 "pid": os.getpid(),
                 "concurrency": self._concurrency,
                 "ttl_seconds": float(self._ttl),
+                "lock_key": self._lock_key,
             }
             await conn.execute(statements.REGISTER_WORKER, worker)
             await conn.execute(statements.CLEAR_CAPABILITIES, {"worker_id": self._worker_id})

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Coroutine
@@ -30,6 +31,7 @@ from sqlalchemy_pgtask._asyncio import bounded, first
 from sqlalchemy_pgtask.errors import InvalidOptionError, SchemaNotInstalled, WorkerCrashed
 from sqlalchemy_pgtask.registry import Registry
 from sqlalchemy_pgtask.statements import Capability
+from sqlalchemy_pgtask.statements.rescue import LOCK_NAMESPACE
 from sqlalchemy_pgtask.worker._attempts import AttemptBook
 from sqlalchemy_pgtask.worker._completer import Completer
 from sqlalchemy_pgtask.worker._durable_calls import DurableCalls
@@ -108,11 +110,16 @@ class Worker:
         # Every worker statement is a single statement: autocommit spares BEGIN/COMMIT trips.
         auto = self._engine.execution_options(isolation_level="AUTOCOMMIT")
 
+        # Every connection the worker keeps holds this lock: gone with the last of them.
+        lock_key = secrets.randbelow(2**31 - 1) + 1 if options.instant_rescue else None
+        lock = None if lock_key is None else (LOCK_NAMESPACE, lock_key)
+
         def held() -> HeldConnection:
             return HeldConnection(
                 auto,
                 lock_timeout=options.effective_lock_timeout,
                 statement_timeout=options.statement_timeout,
+                lock=lock,
             )
 
         self._connections = {name: held() for name in ("claim", "write", "control", "maintenance")}
@@ -160,10 +167,11 @@ class Worker:
             heartbeat_interval=options.heartbeat_interval, ttl=options.worker_ttl,
             lock_timeout=options.effective_lock_timeout,
             declared=registry if registry.schedules else None,
+            lock_key=lock_key,
         )
         self._listener = Listener(
             self._engine, self.queues, wake=self._wake.set, wake_all=self._wake_all,
-            connect_timeout=max(lease, 10.0),
+            connect_timeout=max(lease, 10.0), lock=lock,
         )
         self._loops: dict[str, asyncio.Task[None]] = {}
         self._crashed: tuple[str, BaseException] | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from sqlalchemy_pgtask.worker._maintenance import (
     MaintenanceService,
     Recovery,
+    Rescue,
     WaitTimeouts,
     WorkerPruning,
 )
@@ -16,9 +17,15 @@ __all__ = ["maintenance_services"]
 
 
 def maintenance_services(options: WorkerOptions) -> list[MaintenanceService]:
-    """Recovery, wait timeouts, schedules, retention and worker pruning, in that order of
-    precedence when several are due at once."""
+    """Rescue, recovery, wait timeouts, schedules, retention and worker pruning, in that
+    order of precedence when several are due at once."""
+    rescue: list[MaintenanceService] = []
+    if options.instant_rescue:
+        rescue.append(
+            Rescue(interval=options.rescue_interval, batch_size=options.recovery_batch_size)
+        )
     return [
+        *rescue,
         Recovery(
             interval=options.lease_duration / 3, batch_size=options.recovery_batch_size
         ),

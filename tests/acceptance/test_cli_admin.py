@@ -140,7 +140,9 @@ def test_retrying_into_a_full_queue_exits_1_and_writes_nothing(
         (["task", "retry", str(uuid.UUID(int=1)), "--actor", ""], "actor"),
         (["task", "cancel", str(uuid.UUID(int=1)), "--reason", "r" * 1001], "reason"),
         (["queue", "pause", "no spaces"], "'no spaces'"),
-        (["queue", "set", "q", "--rate-limit", "100"], "is not a rate"),
+        (["queue", "set", "q", "--rate-limit", "100/fortnight"], "is not a rate"),
+        (["queue", "set", "q", "--rate-limit", "100/s", "--rate-period", "2"], "not both"),
+        (["queue", "set", "q", "--rate-period", "2"], "needs --rate-limit"),
         (["queue", "set", "q", "--rate-limit", "0/s"], "must be 1 to"),
         (["queue", "set", "q", "--rate-limit", "5/0s"], "must be positive"),
         (["queue", "set", "q", "--rate-limit", "5/s", "--no-rate-limit"], "not allowed"),
@@ -170,8 +172,17 @@ def test_pause_resume_and_rate_settings_are_shown_and_audited(
 
     _ok(run_cli("queue", "set", "emails", "--rate-limit", "100/30s", "--starvation-timeout",
                 "120", "--actor", "ops", "--database-url", db.url, cwd=app_dir))
-    _ok(run_cli("queue", "set", "reports", "--rate-limit", "5000/h", "--database-url", db.url,
+    _ok(run_cli("queue", "set", "reports", "--rate-limit", "5000/hour", "--database-url", db.url,
                 cwd=app_dir))
+    _ok(run_cli("queue", "set", "bare", "--rate-limit", "7", "--rate-period", "2",
+                "--database-url", db.url, cwd=app_dir))
+    _ok(run_cli("queue", "set", "bare-second", "--rate-limit", "9", "--database-url", db.url,
+                cwd=app_dir))
+    assert [tuple(r) for r in db.rows(
+        "SELECT name, rate_limit, rate_period_seconds FROM pgtask.queues"
+        " WHERE name LIKE 'bare%' ORDER BY name"
+    )] == [("bare", 7, 2.0), ("bare-second", 9, 1.0)]
+    db.execute("DELETE FROM pgtask.queues WHERE name LIKE 'bare%'")
     listed = _ok(run_cli("queue", "list", "--database-url", db.url, cwd=app_dir))
     assert listed == [
         "emails: active, capacity unlimited, terminal retention 604800s, idempotency "

@@ -1,5 +1,8 @@
-"""Runtime termination: a worker killed with SIGKILL writes nothing; its lease expires, and
-another worker process claims the task as a new attempt (failure model, "Process failures")."""
+"""Runtime termination: a worker killed with SIGKILL writes nothing; another worker process
+claims the task as a new attempt (failure model, "Process failures"). Here the workers run
+without instant rescue (``--no-instant-rescue``, as behind a transaction-pooling proxy), so
+the lease is what decides: nobody takes the task before it expires. With instant rescue (the
+default) the task comes back at once: ``test_instant_rescue.py``."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from tests.support.workerproc import Database, WorkerLauncher, describe_all
 def test_killed_worker_task_is_reclaimed_by_another_worker_after_lease_expiry(
     db: Database, workers: WorkerLauncher
 ) -> None:
-    first = workers.start()
+    first = workers.start("--no-instant-rescue")
     [task_id] = db.enqueue("job", {"sleep_by_attempt": {"1": 120}, "sleep": 0, "record": True})
     wait_until(
         lambda: db.scalar(
@@ -20,7 +23,7 @@ def test_killed_worker_task_is_reclaimed_by_another_worker_after_lease_expiry(
         ),
         15, message="attempt 1 to start on the first worker", describe=first.describe,
     )
-    second = workers.start()
+    second = workers.start("--no-instant-rescue")
     everyone = describe_all([first, second])
 
     first.send(signal.SIGKILL)

@@ -71,6 +71,7 @@ from sqlalchemy_pgtask.schedule import write_declared
 from sqlalchemy_pgtask.signals import emit_signal
 from sqlalchemy_pgtask.statements import NOW, retention
 from sqlalchemy_pgtask.statements import schedule as schedule_statements
+from sqlalchemy_pgtask.statements.rescue import RESCUE
 from tests.support import durable
 
 __all__ = [
@@ -376,7 +377,7 @@ def _register(c: Connection, f: JobFixture) -> None:
     c.execute(statements.STORED_POLICIES, statements.identity_params([_CAPABILITY])).all()
     c.execute(statements.REGISTER_WORKER, {
         "worker_id": _WORKER_ID, "queues": [QUEUE], "version": "test", "hostname": "h",
-        "pid": 1, "concurrency": 4, "ttl_seconds": 30.0,
+        "pid": 1, "concurrency": 4, "ttl_seconds": 30.0, "lock_key": 17,
     })
     c.execute(statements.CLEAR_CAPABILITIES, {"worker_id": _WORKER_ID})
     c.execute(statements.ADD_CAPABILITIES,
@@ -444,6 +445,7 @@ def _outcomes(c: Connection, f: JobFixture) -> None:
 
 def _maintenance(c: Connection, f: JobFixture) -> None:
     durable.recover(c)
+    c.execute(RESCUE, {"limit": 10}).all()
     durable.wait_timeouts(c)
     c.execute(statements.NEXT_WAIT_TIMEOUT).all()
     c.execute(statements.PRUNE_WORKERS, {"retention_seconds": 0.0, "limit": 10}).all()
