@@ -283,6 +283,7 @@ def plan_occurrences(
     misfire: str,
     catch_up_limit: int | None,
     previous_active: bool,
+    overlap: str = "allow",
 ) -> Occurrences:
     """Apply the misfire and overlap policies to a schedule whose cursor is due (<= now)."""
     following = recurrence.next_after(now, cursor)
@@ -294,7 +295,8 @@ def plan_occurrences(
         due = [latest] if now - latest <= grace else []
         return Occurrences(due, following, dropped=latest > cursor or not due)
     if misfire == "catch_up":
-        limit = catch_up_limit or 1
+        # Overlap "skip": occurrences must not run side by side, so one at a time.
+        limit = 1 if overlap == "skip" else catch_up_limit or 1
         due = [latest]
         while len(due) < limit and due[-1] > cursor:
             due.append(max(recurrence.latest(due[-1] - _TICK, cursor), cursor))

@@ -185,6 +185,7 @@ def _materialize_one(
             misfire=row["misfire"],
             catch_up_limit=row["catch_up_limit"],
             previous_active=bool(row["previous_active"]) and row["overlap"] == "skip",
+            overlap=row["overlap"],
         )
     except RecurrenceError as exc:
         _fail(connection, row, recurrence, now, f"cannot compute occurrences: {exc}", report)

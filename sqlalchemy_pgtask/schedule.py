@@ -297,13 +297,13 @@ def materialize_schedules(
 
 
 async def materialize_schedules_async(
-    bind: AsyncEngine | AsyncBind, *, limit: int = 100
+    bind: AsyncEngine | AsyncBind, *, limit: int = 100, exclude: Sequence[str] = ()
 ) -> MaterializeReport:
     """`materialize_schedules` for an `AsyncEngine`, `AsyncSession` or `AsyncConnection`."""
     check_int_range("limit", limit, 1, 10_000)
     if isinstance(bind, AsyncEngine):
         async with bind.begin() as connection:
-            return await connection.run_sync(_materialize, limit)
+            return await connection.run_sync(_materialize, limit, tuple(exclude))
     connection = await async_connection_of(async_bind(bind, "materialize_schedules"))
-    return await connection.run_sync(_materialize, limit)
+    return await connection.run_sync(_materialize, limit, tuple(exclude))
 

@@ -39,11 +39,8 @@ class WorkerRecord(Base):
     heartbeat_at: Mapped[datetime] = mapped_column(server_default=NOW)
     expires_at: Mapped[datetime]
     #: The advisory lock ``(LOCK_NAMESPACE, lock_key)`` every connection the worker keeps
-    #: holds in shared mode; None for a worker that holds none.
+    #: holds in shared mode, gone with the last of them; None for a worker that holds none.
     lock_key: Mapped[int | None] = mapped_column(Integer)
-    #: When a connection holding that lock last said so (its heartbeat). The lock gone since,
-    #: on a server started before then, means every connection of the worker is gone.
-    locked_at: Mapped[datetime | None]
 
 
 class WorkerCapability(Base):

@@ -42,9 +42,13 @@ def buckets(served: CTE) -> CTE:
             func.least(
                 cast(served.c.rate_limit, Double), b.c.tokens + refill
             ).label("available"),
+            b.c.refilled_at,
         )
         .select_from(b.join(served, served.c.name == b.c.queue))
         .where(served.c.rate_limit.is_not(None))
+        # In name order, whatever the worker's queue order: two claimers of the same queues
+        # never lock their buckets in opposite orders (a deadlock).
+        .order_by(b.c.queue)
         .with_for_update(of=b)
         .cte("buckets")
     )

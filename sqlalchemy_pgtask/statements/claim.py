@@ -301,7 +301,12 @@ def _claim(*, governed: bool) -> Select[Any]:
     spend = (
         update(rate_buckets)
         .where(rate_buckets.c.queue == locked.c.queue, spent.c.queue == locked.c.queue)
-        .values(tokens=locked.c.available - spent.c.n, refilled_at=NOW)
+        # A claim that waited for the bucket may have started before the one that refilled it
+        # last: its time must not move the refill clock back (and credit tokens twice).
+        .values(
+            tokens=locked.c.available - spent.c.n,
+            refilled_at=func.greatest(locked.c.refilled_at, NOW),
+        )
         .cte("spend")
     )
     # A limit set since the last claim: its bucket starts full, from the next claim on.
@@ -309,10 +314,12 @@ def _claim(*, governed: bool) -> Select[Any]:
         pg_insert(rate_buckets)
         .from_select(
             ["queue", "tokens", "refilled_at"],
-            select(served.c.name, served.c.rate_limit, NOW).where(
+            select(served.c.name, served.c.rate_limit, NOW)
+            .where(
                 served.c.rate_limit.is_not(None),
                 ~select(locked.c.queue).where(locked.c.queue == served.c.name).exists(),
-            ),
+            )
+            .order_by(served.c.name),
         )
         .on_conflict_do_nothing(index_elements=[rate_buckets.c.queue])
         .cte("fill")

@@ -124,6 +124,14 @@ def _delete_finished_tasks() -> ReturningDelete[Any]:
     t = tasks.alias("t")
     child = tasks.alias("child")
     has_child = select(child.c.id).where(child.c.parent_id == t.c.id).exists()
+    # A running or waiting parent may still ask for this child's result (after a sleep, a
+    # retry): the child stays until its parent is finished too.
+    parent = tasks.alias("parent")
+    parent_unfinished = (
+        select(parent.c.id)
+        .where(parent.c.id == t.c.parent_id, ~_finished(parent))
+        .exists()
+    )
     expired = (
         select(t.c.id)
         .where(
@@ -131,6 +139,7 @@ def _delete_finished_tasks() -> ReturningDelete[Any]:
             _finished(t),
             t.c.completed_at <= NOW - seconds(policies.c.terminal_retention),
             ~has_child,
+            ~parent_unfinished,
         )
         .order_by(t.c.completed_at)
         .limit(limit)

@@ -14,7 +14,6 @@ from sqlalchemy import (
     TableValuedAlias,
     Text,
     bindparam,
-    case,
     func,
     insert,
     select,
@@ -110,7 +109,6 @@ def _register_worker() -> PgInsert:
         "pid": bindparam("pid", type_=Integer),
         "concurrency": bindparam("concurrency", type_=Integer),
         "lock_key": bindparam("lock_key", type_=Integer),
-        "locked_at": None,
         "draining": False,
         "started_at": NOW,
         "heartbeat_at": NOW,
@@ -122,14 +120,13 @@ def _register_worker() -> PgInsert:
         set_={
             name: statement.excluded[name]
             for name in ("queues", "version", "hostname", "pid", "concurrency", "heartbeat_at",
-                         "expires_at", "draining", "lock_key", "locked_at")
+                         "expires_at", "draining", "lock_key")
         },
     )
 
 
 #: Upserts this worker's row as live (not draining) until database time + ``ttl_seconds``,
-#: with the key of the advisory lock its connections hold (``locked_at`` waits for the first
-#: heartbeat). Binds `RegisterParams`.
+#: with the key of the advisory lock its connections hold. Binds `RegisterParams`.
 REGISTER_WORKER: Final = _register_worker()
 
 #: Deletes a worker's capabilities before they are written again. Binds ``worker_id``.
@@ -207,9 +204,7 @@ STORED_POLICIES: Final = select(*(policies.c[c] for c in POLICY_COLUMNS)).where(
 )
 
 #: Refreshes a worker's liveness (and its draining flag). Returns its id, or no row if the
-#: worker row was deleted and the worker must register again. Binds `HeartbeatParams`. Run on
-#: a connection that holds the worker's advisory lock, it also records that the lock is held
-#: now (``locked_at``).
+#: worker row was deleted and the worker must register again. Binds `HeartbeatParams`.
 HEARTBEAT: Final = (
     update(workers)
     .where(workers.c.id == bindparam("worker_id", type_=UUID_T))
@@ -217,7 +212,6 @@ HEARTBEAT: Final = (
         heartbeat_at=NOW,
         expires_at=NOW + seconds(bindparam("ttl_seconds", type_=Double)),
         draining=bindparam("draining", type_=Boolean),
-        locked_at=case((workers.c.lock_key.is_(None), None), else_=NOW),
     )
     .returning(workers.c.id)
 )

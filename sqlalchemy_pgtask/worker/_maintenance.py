@@ -22,15 +22,15 @@ import contextlib
 import logging
 import random
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Protocol
 
-from sqlalchemy import Executable
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask._asyncio import bounded
-from sqlalchemy_pgtask.statements.rescue import RESCUE
+from sqlalchemy_pgtask.statements.rescue import RESCUE, WORKER_LOCKS
 from sqlalchemy_pgtask.worker._reconnect import Backoff, HeldConnection, brief, is_transient
 
 __all__ = [
@@ -65,12 +65,10 @@ class MaintenanceService(Protocol):
         """
 
 
-class _TakeBack:
-    """A service that takes running tasks back in batches of one statement each."""
+class Recovery:
+    """Returns tasks whose lease expired (their worker died or stalled) to pending."""
 
-    name: str
-    _statement: Executable
-    _message: str
+    name = "recovery"
 
     def __init__(self, *, interval: float, batch_size: int) -> None:
         self.interval = interval
@@ -78,28 +76,70 @@ class _TakeBack:
 
     async def run_once(self, connection: AsyncConnection) -> float | None:
         for _ in range(MAX_BATCHES_PER_PASS):
-            rows = (await connection.execute(self._statement, {"limit": self._batch})).all()
+            rows = (await connection.execute(statements.RECOVER, {"limit": self._batch})).all()
             if rows:
-                logger.warning(self._message, len(rows))
+                logger.warning("recovered %d task(s) with expired leases", len(rows))
             if len(rows) < self._batch:
                 break
         return None
 
 
-class Recovery(_TakeBack):
-    """Returns tasks whose lease expired (their worker died or stalled) to pending."""
+class Rescue:
+    """Takes back at once the running tasks of workers whose connections are all gone.
 
-    name = "recovery"
-    _statement = statements.RECOVER
-    _message = "recovered %d task(s) with expired leases"
-
-
-class Rescue(_TakeBack):
-    """Takes back at once the running tasks of workers whose connections are all gone."""
+    A worker counts as gone when it held its advisory lock during the life of this service's
+    backend (seen holding it, or registered since), and the lock was then missing on two
+    passes in a row: a server restart or a failover ends this service's backend too, and a
+    brief network cut gives the worker a pass to take its lock again (`statements.rescue`).
+    """
 
     name = "rescue"
-    _statement = RESCUE
-    _message = "rescued %d task(s) of a worker that is gone, before their leases expired"
+
+    def __init__(self, *, interval: float, batch_size: int) -> None:
+        self.interval = interval
+        self._batch = batch_size
+        #: The backend (pid, start) the observations below were made on, and the database
+        #: time of its first pass.
+        self._backend: tuple[int, object] | None = None
+        self._since: object = None
+        #: Workers seen holding their lock on that backend.
+        self._seen: set[uuid.UUID] = set()
+        #: Workers seen holding it earlier, then missing it on the last pass.
+        self._missing: set[uuid.UUID] = set()
+
+    async def run_once(self, connection: AsyncConnection) -> float | None:
+        state = (await connection.execute(WORKER_LOCKS)).one()
+        backend = (state.backend, state.backend_start)
+        if backend != self._backend:
+            self._backend, self._since = backend, state.now
+            self._seen, self._missing = set(), set()
+        holding, gone = set(state.holding or ()), set(state.gone or ())
+        # Registered since this backend's first pass: it held its lock then.
+        self._seen |= {
+            worker for worker, started in zip(
+                state.gone or (), state.gone_started or (), strict=True
+            )
+            if started >= self._since
+        }
+        doomed = gone & self._missing
+        self._missing = gone & self._seen
+        self._seen = (self._seen & gone) | holding
+        rescued = 0
+        for _ in range(MAX_BATCHES_PER_PASS) if doomed else ():
+            rows = (
+                await connection.execute(RESCUE, {"owners": list(doomed), "limit": self._batch})
+            ).all()
+            rescued += len(rows)
+            if len(rows) < self._batch:
+                break
+        if rescued:
+            logger.warning(
+                "rescued %d task(s) of %d worker(s) that are gone, before their leases expired",
+                rescued, len(doomed),
+            )
+        # A lock just found missing: look again soon (a worker that only lost its
+        # connections for a moment has taken it again by then), not a whole interval later.
+        return self.interval / 2 if self._missing else None
 
 
 class WaitTimeouts:

@@ -81,8 +81,9 @@ class WorkerOptions:
     #: is dead. Turn off behind a transaction-pooling proxy (locks say nothing there; leases
     #: still recover the tasks).
     instant_rescue: bool = True
-    #: Seconds between looks for dead workers' tasks.
-    rescue_interval: float = 1.0
+    #: Seconds between looks for dead workers' tasks (a worker is gone when its lock was
+    #: missing on two looks in a row).
+    rescue_interval: float = 0.5
     #: Due wait timeouts handled per statement (up to 16 statements per pass).
     wait_timeout_batch_size: int = 100
     #: The longest the schedule materialiser sleeps (otherwise it sleeps exactly until the

@@ -74,8 +74,13 @@ def is_transient(exc: BaseException) -> bool:
 
 #: Planner settings for the worker's connections. Every statement they run is meant to probe an
 #: index; a plan cached while a table was nearly empty (a new install, or right after a big
-#: cleanup) would otherwise keep scanning it sequentially as it grows.
-PLANNER_SETTINGS: Final = (("enable_seqscan", "off"), ("plan_cache_mode", "force_generic_plan"))
+#: cleanup) would otherwise keep scanning it sequentially as it grows. The penalty that makes
+#: a sequential scan unattractive also lifts a plan that needs one (a small table such as
+#: ``workers``) above ``jit_above_cost``: JIT would compile it on every execution (~0.7 s of
+#: CPU), and never pays off for these short statements.
+PLANNER_SETTINGS: Final = (
+    ("enable_seqscan", "off"), ("plan_cache_mode", "force_generic_plan"), ("jit", "off"),
+)
 
 
 def _milliseconds(seconds: float) -> str:

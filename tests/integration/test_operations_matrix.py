@@ -202,3 +202,30 @@ def test_retention_after_commit_removes_the_finished_rows_and_their_attempts(
     with pgtask_engine.connect() as conn:
         assert conn.execute(select(Task.id)).scalars().all() == [live]
     assert run_retention(pgtask_engine).tasks_deleted == 0
+
+
+def test_retention_keeps_a_finished_child_while_its_parent_is_unfinished(
+    pgtask_engine: Engine,
+) -> None:
+    # A running parent may still ask for the child's result (after a sleep or a retry): the
+    # child, finished long ago, stays until its parent is finished too.
+    [parent, child] = finished_long_ago(pgtask_engine, 2)
+    with pgtask_engine.begin() as conn:
+        conn.execute(
+            text("UPDATE pgtask.tasks SET state = 'waiting', completed_at = NULL"
+                 " WHERE id = :parent"),
+            {"parent": parent},
+        )
+        conn.execute(
+            text("UPDATE pgtask.tasks SET parent_id = :parent WHERE id = :child"),
+            {"parent": parent, "child": child},
+        )
+    assert run_retention(pgtask_engine).tasks_deleted == 0
+    with pgtask_engine.begin() as conn:
+        conn.execute(
+            text("UPDATE pgtask.tasks SET state = 'succeeded',"
+                 " completed_at = now() - interval '30 days' WHERE id = :parent"),
+            {"parent": parent},
+        )
+    assert run_retention(pgtask_engine).tasks_deleted == 2  # the child, then the parent
+    assert remaining(pgtask_engine) == (0, 0)

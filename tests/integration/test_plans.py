@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg import sql
 from sqlalchemy import Engine, text
 from sqlalchemy.dialects import postgresql
@@ -100,3 +101,21 @@ def test_the_cached_outcome_plan_probes_indexes_under_the_worker_settings(
     assert "Seq Scan" not in plan, plan
     assert "pk_attempts" in plan, plan
     assert "pk_tasks" in plan, plan
+
+
+def test_the_worker_settings_never_compile_a_statement_with_jit(pgtask_engine: Engine) -> None:
+    # The seqscan penalty lifts any plan that needs a scan (the small workers table, which
+    # the rescue pass reads) far above jit_above_cost: with JIT on, PostgreSQL would compile
+    # that plan on every execution (~0.7 s here) for a statement that runs in a millisecond.
+    from sqlalchemy_pgtask.statements.rescue import WORKER_LOCKS
+
+    query = str(WORKER_LOCKS.compile(dialect=pgtask_engine.dialect))
+    with pgtask_engine.connect() as conn:
+        if not conn.execute(text("SELECT pg_jit_available()")).scalar_one():
+            pytest.skip("this PostgreSQL server was built without JIT")
+        conn.execute(text("SET jit = on"))
+        conn.execute(text("SET jit_above_cost = 100000"))
+        for name, value in PLANNER_SETTINGS:
+            conn.execute(text(f"SET {name} = {value}"))
+        plan = "\n".join(row[0] for row in conn.execute(text(f"EXPLAIN (ANALYZE) {query}")))
+    assert "JIT:" not in plan

@@ -18,7 +18,14 @@ from typing import Any
 from sqlalchemy import Connection, Engine, event, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from sqlalchemy_pgtask import EnqueueRequest, Registry, WorkerOptions, enqueue_many, statements
+from sqlalchemy_pgtask import (
+    EnqueueRequest,
+    Registry,
+    RetryPolicy,
+    WorkerOptions,
+    enqueue_many,
+    statements,
+)
 from sqlalchemy_pgtask.testing import running_worker, wait_until
 from tests.support.tasks import claim_parameters
 from tests.support.waiting import PATIENCE
@@ -194,3 +201,38 @@ async def test_an_idle_worker_waits_for_the_next_token_instead_of_spinning(
         window = [t for t in claims if t >= window_start]
     # Due work, no token for an hour: the worker sleeps (a busy loop would claim hundreds).
     assert len(window) <= 3, len(window)
+
+
+def test_claimers_serving_governed_queues_in_opposite_orders_never_deadlock(
+    pgtask_engine: Engine,
+) -> None:
+    with pgtask_engine.begin() as conn:
+        for queue in ("qa", "qb"):
+            govern(conn, queue, limit=1_000_000, period=1.0)
+            add_jobs(conn, 400, queue)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def claimer(order: tuple[str, str]) -> None:
+        capabilities = [
+            statements.Capability(q, "job", 1, RetryPolicy.fixed(1.0), 5) for q in order
+        ]
+        params = statements.claim_params(
+            statements.capability_params(list(order), capabilities),
+            worker_id=uuid.uuid4(), lease_seconds=30.0, limit=2,
+        )
+        try:
+            with pgtask_engine.connect() as conn:
+                conn.execution_options(isolation_level="AUTOCOMMIT")
+                barrier.wait(PATIENCE)
+                for _ in range(300):
+                    conn.execute(statements.CLAIM_GOVERNED, params).all()
+        except BaseException as exc:  # reported below, with the deadlock if there was one
+            errors.append(exc)
+
+    threads = [threading.Thread(target=claimer, args=(o,)) for o in (("qa", "qb"), ("qb", "qa"))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(PATIENCE)
+    assert errors == []

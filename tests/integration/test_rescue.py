@@ -1,153 +1,243 @@
 """Instant rescue: the running tasks of a worker whose connections are all gone are taken
-back at once, not at lease expiry (`statements.RESCUE`).
+back at once, not at lease expiry (`worker._maintenance.Rescue`, `statements.rescue`).
 
 A worker's connections each hold the advisory lock ``(LOCK_NAMESPACE, lock_key)`` in shared
-mode; its row records the key and, by heartbeat on such a connection, when the lock was last
-held (``locked_at``). Here plain connections stand in for a worker's, so each condition is
-checked by itself: one live holder is enough to keep the tasks; a worker that never said it
-held the lock, or said so before the server started, is left to its leases.
+mode. Here plain connections stand in for a worker's, and the service's passes are run one at
+a time, so each rule is checked by itself: a worker is gone only when the rescuer saw it
+holding its lock on the same backend of its own and then saw the lock missing on two passes
+in a row; one live connection keeps it alive; a rescuer whose own session was replaced (a
+server restart, a failover) starts afresh and rescues nobody it has not seen alive since.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
-from datetime import timedelta
+from collections.abc import AsyncIterator
 
+import pytest
 from sqlalchemy import Connection, Engine, func, select, text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from sqlalchemy_pgtask import Attempt, Task, enqueue, statements
 from sqlalchemy_pgtask.statements.rescue import LOCK_NAMESPACE, RESCUE
+from sqlalchemy_pgtask.worker._maintenance import Rescue
 from tests.support.tasks import claim_parameters
 
 LEASE = 3600.0
 
 
-def register(conn: Connection, worker_id: uuid.UUID, key: int | None, locked: bool) -> None:
-    conn.execute(
-        statements.REGISTER_WORKER,
-        {
-            "worker_id": worker_id, "queues": ["default"], "version": "test",
-            "hostname": "test", "pid": 1, "concurrency": 1, "ttl_seconds": 30.0,
-            "lock_key": key,
-        },
-    )
-    if locked:
-        conn.execute(
-            statements.HEARTBEAT, {"worker_id": worker_id, "ttl_seconds": 30.0, "draining": False}
-        )
+class FakeWorker:
+    """A registered worker whose lock is held by the connections it opens."""
 
+    def __init__(self, engine: Engine, key: int | None) -> None:
+        self.id, self.key, self._engine = uuid.uuid4(), key, engine
+        self.connections: list[Connection] = []
+        with engine.begin() as conn:
+            conn.execute(statements.REGISTER_WORKER, {
+                "worker_id": self.id, "queues": ["default"], "version": "test",
+                "hostname": "test", "pid": 1, "concurrency": 1, "ttl_seconds": 30.0,
+                "lock_key": key,
+            })
 
-def running_task(engine: Engine, worker_id: uuid.UUID) -> uuid.UUID:
-    with engine.begin() as conn:
-        task_id = enqueue(conn, "job", max_attempts=3).id
-    with engine.connect() as conn:
+    def connect(self) -> Connection:
+        conn = self._engine.connect()
         conn.execution_options(isolation_level="AUTOCOMMIT")
-        [row] = conn.execute(
-            statements.CLAIM, claim_parameters(worker_id=worker_id, lease=LEASE)
-        ).all()
-    assert row.id == task_id
-    return task_id
+        conn.execute(select(func.pg_advisory_lock_shared(LOCK_NAMESPACE, self.key)))
+        self.connections.append(conn)
+        return conn
+
+    def drop(self, conn: Connection) -> None:
+        """Close the session for good (back in the pool, it would keep its locks)."""
+        conn.invalidate()
+        conn.close()
+        self.connections.remove(conn)
+
+    def die(self) -> None:
+        for conn in list(self.connections):
+            self.drop(conn)
+        # A closed session's backend ends (and drops its locks) a moment later.
+        with self._engine.connect() as conn:
+            for _ in range(500):
+                held = conn.execute(
+                    select(func.count()).select_from(text("pg_locks")).where(
+                        text("locktype = 'advisory' AND classid = :ns AND objid = :key"
+                             " AND database = (SELECT oid FROM pg_database"
+                             " WHERE datname = current_database())")
+                    ),
+                    {"ns": LOCK_NAMESPACE, "key": self.key or 0},
+                ).scalar_one()
+                if not held:
+                    return
+                conn.rollback()
+                time.sleep(0.01)
+        raise AssertionError("the dropped sessions kept the lock")
+
+    def running_task(self) -> uuid.UUID:
+        with self._engine.begin() as conn:
+            task_id = enqueue(conn, "job", max_attempts=3).id
+        with self._engine.connect() as conn:
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+            [row] = conn.execute(
+                statements.CLAIM, claim_parameters(worker_id=self.id, lease=LEASE)
+            ).all()
+        assert row.id == task_id
+        return task_id
 
 
-def hold(engine: Engine, key: int) -> Connection:
-    conn = engine.connect()
-    conn.execution_options(isolation_level="AUTOCOMMIT")
-    conn.execute(select(func.pg_advisory_lock_shared(LOCK_NAMESPACE, key)))
-    return conn
+@pytest.fixture
+async def rescuer(pgtask_async_engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+    auto = pgtask_async_engine.execution_options(isolation_level="AUTOCOMMIT")
+    async with auto.connect() as conn:
+        yield conn
 
 
-def drop(conn: Connection) -> None:
-    """Close the session for good (back in the pool, it would keep its locks)."""
-    conn.invalidate()
-    conn.close()
-
-
-def rescue(engine: Engine) -> list[uuid.UUID]:
+def state_of(engine: Engine, task_id: uuid.UUID) -> tuple[object, ...]:
     with engine.connect() as conn:
-        conn.execution_options(isolation_level="AUTOCOMMIT")
-        return [row.id for row in conn.execute(RESCUE, {"limit": 100})]
-
-
-def test_a_worker_with_a_live_connection_keeps_its_tasks_and_loses_them_with_the_last(
-    pgtask_engine: Engine,
-) -> None:
-    worker_id, key = uuid.uuid4(), 4242
-    first, second = hold(pgtask_engine, key), hold(pgtask_engine, key)
-    try:
-        register(first, worker_id, key, locked=True)
-        task_id = running_task(pgtask_engine, worker_id)
-        assert rescue(pgtask_engine) == []
-        drop(first)  # one connection dropped: the worker lives on
-        assert rescue(pgtask_engine) == []
-    finally:
-        drop(second)
-    assert rescue(pgtask_engine) == [task_id]
-    with pgtask_engine.connect() as conn:
         task = conn.execute(
             select(Task.state, Task.failed_attempts, Task.lease_owner).where(Task.id == task_id)
         ).one()
-        attempt = conn.execute(
-            select(Attempt.state, Attempt.error).where(Attempt.task_id == task_id)
-        ).one()
-    # Back to pending at once, the lease far from expiry; the lost attempt counts.
-    assert tuple(task) == ("pending", 1, None)
+    return tuple(task)
+
+
+async def test_a_killed_worker_is_rescued_after_two_passes_without_its_lock(
+    pgtask_engine: Engine, rescuer: AsyncConnection
+) -> None:
+    service = Rescue(interval=0.5, batch_size=100)
+    worker = FakeWorker(pgtask_engine, 4242)
+    worker.connect()
+    worker.connect()
+    task_id = worker.running_task()
+    await service.run_once(rescuer)  # seen holding its lock
+    worker.die()
+    await service.run_once(rescuer)  # missing once: not yet
+    assert state_of(pgtask_engine, task_id) == ("running", 0, worker.id)
+    await service.run_once(rescuer)  # missing twice: gone
+    assert state_of(pgtask_engine, task_id) == ("pending", 1, None)
+    with pgtask_engine.connect() as conn:
+        attempt = conn.execute(select(Attempt.state, Attempt.error)).one()
     assert tuple(attempt) == ("lost", {"type": "lease_expired", "reason": "worker_gone"})
-    assert rescue(pgtask_engine) == []
 
 
-def test_a_worker_that_never_confirmed_its_lock_is_left_to_its_leases(
-    pgtask_engine: Engine,
+async def test_a_worker_registered_since_the_first_pass_needs_no_sighting(
+    pgtask_engine: Engine, rescuer: AsyncConnection
 ) -> None:
-    worker_id = uuid.uuid4()
-    with pgtask_engine.begin() as conn:
-        register(conn, worker_id, 77, locked=False)  # registered, no heartbeat yet
-    running_task(pgtask_engine, worker_id)
-    assert rescue(pgtask_engine) == []
+    # It took its lock before it registered: registered while this rescuer looked on, it
+    # held the lock in this rescuer's session even if it died before the next pass.
+    service = Rescue(interval=0.5, batch_size=100)
+    await service.run_once(rescuer)
+    worker = FakeWorker(pgtask_engine, 11)
+    worker.connect()
+    task_id = worker.running_task()
+    worker.die()
+    await service.run_once(rescuer)
+    assert state_of(pgtask_engine, task_id) == ("running", 0, worker.id)
+    await service.run_once(rescuer)
+    assert state_of(pgtask_engine, task_id) == ("pending", 1, None)
 
 
-def test_a_worker_without_a_lock_is_left_to_its_leases(pgtask_engine: Engine) -> None:
-    worker_id = uuid.uuid4()
-    with pgtask_engine.begin() as conn:
-        register(conn, worker_id, None, locked=True)  # instant_rescue=False
-    running_task(pgtask_engine, worker_id)
-    assert rescue(pgtask_engine) == []
-
-
-def test_locks_lost_to_a_server_restart_say_nothing_until_taken_again(
-    pgtask_engine: Engine,
+async def test_one_live_connection_keeps_a_worker_alive(
+    pgtask_engine: Engine, rescuer: AsyncConnection
 ) -> None:
-    worker_id, key = uuid.uuid4(), 99
-    holder = hold(pgtask_engine, key)
-    register(holder, worker_id, key, locked=True)
-    task_id = running_task(pgtask_engine, worker_id)
-    # As after a restart: the lock was confirmed before the server (re)started.
-    holder.execute(
-        text("UPDATE pgtask.workers SET locked_at = pg_postmaster_start_time() - :gap"
-             " WHERE id = :id"),
-        {"gap": timedelta(seconds=1), "id": worker_id},
-    )
-    drop(holder)
-    assert rescue(pgtask_engine) == []
-    holder = hold(pgtask_engine, key)  # the worker reconnects, heartbeats, then dies
+    service = Rescue(interval=0.5, batch_size=100)
+    worker = FakeWorker(pgtask_engine, 5)
+    first = worker.connect()
+    worker.connect()
+    task_id = worker.running_task()
+    await service.run_once(rescuer)
+    worker.drop(first)
+    for _ in range(3):
+        await service.run_once(rescuer)
+    assert state_of(pgtask_engine, task_id) == ("running", 0, worker.id)
+    worker.die()
+
+
+async def test_a_worker_back_before_the_second_pass_keeps_its_tasks(
+    pgtask_engine: Engine, rescuer: AsyncConnection
+) -> None:
+    service = Rescue(interval=0.5, batch_size=100)
+    worker = FakeWorker(pgtask_engine, 6)
+    worker.connect()
+    task_id = worker.running_task()
+    await service.run_once(rescuer)
+    worker.die()  # a network blip: every connection dropped...
+    await service.run_once(rescuer)
+    worker.connect()  # ...and it reconnected
+    for _ in range(3):
+        await service.run_once(rescuer)
+    assert state_of(pgtask_engine, task_id) == ("running", 0, worker.id)
+    worker.die()
+
+
+async def test_a_worker_never_seen_alive_is_left_to_its_lease(
+    pgtask_engine: Engine, rescuer: AsyncConnection
+) -> None:
+    service = Rescue(interval=0.5, batch_size=100)
+    worker = FakeWorker(pgtask_engine, 7)
+    worker.connect()
+    task_id = worker.running_task()
+    worker.die()  # gone before this rescuer ever looked
+    for _ in range(3):
+        await service.run_once(rescuer)
+    assert state_of(pgtask_engine, task_id) == ("running", 0, worker.id)
+
+
+async def test_a_rescuer_whose_session_was_replaced_starts_afresh(
+    pgtask_engine: Engine, pgtask_async_engine: AsyncEngine, rescuer: AsyncConnection
+) -> None:
+    # As after a server restart or a failover: the rescuer's own backend is new, and every
+    # worker's lock is gone until it reconnects. What it saw before proves nothing now.
+    service = Rescue(interval=0.5, batch_size=100)
+    worker = FakeWorker(pgtask_engine, 8)
+    worker.connect()
+    task_id = worker.running_task()
+    await service.run_once(rescuer)
+    worker.die()
+    await service.run_once(rescuer)
+    auto = pgtask_async_engine.execution_options(isolation_level="AUTOCOMMIT")
+    async with auto.connect() as fresh:  # another backend than the rescuer's so far
+        for _ in range(3):
+            await service.run_once(fresh)
+    assert state_of(pgtask_engine, task_id) == ("running", 0, worker.id)
+
+
+async def test_a_worker_without_a_lock_is_left_to_its_lease(
+    pgtask_engine: Engine, rescuer: AsyncConnection
+) -> None:
+    service = Rescue(interval=0.5, batch_size=100)
+    worker = FakeWorker(pgtask_engine, None)  # instant_rescue=False
+    task_id = worker.running_task()
+    for _ in range(3):
+        await service.run_once(rescuer)
+    assert state_of(pgtask_engine, task_id) == ("running", 0, worker.id)
+
+
+async def test_another_databases_lock_does_not_keep_a_worker_alive(
+    pgtask_engine: Engine, empty_engine: Engine, rescuer: AsyncConnection
+) -> None:
+    service = Rescue(interval=0.5, batch_size=100)
+    other = empty_engine.connect()  # the same key, in another database of the cluster
+    other.execute(select(func.pg_advisory_lock_shared(LOCK_NAMESPACE, 5150)))
     try:
-        holder.execute(
-            statements.HEARTBEAT, {"worker_id": worker_id, "ttl_seconds": 30.0, "draining": False}
-        )
+        worker = FakeWorker(pgtask_engine, 5150)
+        worker.connect()
+        task_id = worker.running_task()
+        await service.run_once(rescuer)
+        worker.die()
+        await service.run_once(rescuer)
+        await service.run_once(rescuer)
+        assert state_of(pgtask_engine, task_id) == ("pending", 1, None)
     finally:
-        drop(holder)
-    assert rescue(pgtask_engine) == [task_id]
+        other.invalidate()
+        other.close()
 
 
-def test_another_databases_lock_does_not_keep_a_worker_alive(
-    pgtask_engine: Engine, empty_engine: Engine
-) -> None:
-    worker_id, key = uuid.uuid4(), 5150
-    other = hold(empty_engine, key)  # same key, another database of the cluster
-    try:
-        holder = hold(pgtask_engine, key)
-        register(holder, worker_id, key, locked=True)
-        task_id = running_task(pgtask_engine, worker_id)
-        drop(holder)
-        assert rescue(pgtask_engine) == [task_id]
-    finally:
-        drop(other)
+def test_the_rescue_statement_checks_the_lock_again(pgtask_engine: Engine) -> None:
+    worker = FakeWorker(pgtask_engine, 9)
+    worker.connect()  # back by the time the statement runs
+    task_id = worker.running_task()
+    with pgtask_engine.connect() as conn:
+        conn.execution_options(isolation_level="AUTOCOMMIT")
+        assert conn.execute(RESCUE, {"owners": [worker.id], "limit": 10}).all() == []
+    assert state_of(pgtask_engine, task_id) == ("running", 0, worker.id)
+    worker.die()

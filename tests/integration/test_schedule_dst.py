@@ -15,7 +15,7 @@ from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from sqlalchemy_pgtask import Task
-from sqlalchemy_pgtask._cron import Recurrence
+from sqlalchemy_pgtask._cron import Recurrence, plan_occurrences
 from sqlalchemy_pgtask.schedule import get_schedule, materialize_schedules, set_schedule
 from sqlalchemy_pgtask.testing import DatabaseClock
 
@@ -107,3 +107,18 @@ def test_materialised_across_a_change_each_occurrence_runs_once(
     assert info is not None
     assert info.next_run_at > expected[-1]
     assert info.upcoming[0] == info.next_run_at
+
+
+def test_overlap_skip_lets_a_catch_up_create_one_occurrence_at_a_time() -> None:
+    # Occurrences must not run side by side: a catch-up under overlap "skip" creates only the
+    # newest missed one; the next waits for it to finish.
+    recurrence = Recurrence.of("0 * * * *", None, "UTC")
+    cursor = datetime(2030, 6, 3, 0, tzinfo=timezone.utc)
+    now = datetime(2030, 6, 3, 5, 30, tzinfo=timezone.utc)
+    allowed = plan_occurrences(recurrence, cursor=cursor, now=now, misfire="catch_up",
+                               catch_up_limit=10, previous_active=False, overlap="allow")
+    skipped = plan_occurrences(recurrence, cursor=cursor, now=now, misfire="catch_up",
+                               catch_up_limit=10, previous_active=False, overlap="skip")
+    assert len(allowed.due) == 6
+    assert skipped.due == [datetime(2030, 6, 3, 5, tzinfo=timezone.utc)]
+    assert skipped.next_run_at == allowed.next_run_at

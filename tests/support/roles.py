@@ -71,7 +71,7 @@ from sqlalchemy_pgtask.schedule import write_declared
 from sqlalchemy_pgtask.signals import emit_signal
 from sqlalchemy_pgtask.statements import NOW, retention
 from sqlalchemy_pgtask.statements import schedule as schedule_statements
-from sqlalchemy_pgtask.statements.rescue import RESCUE
+from sqlalchemy_pgtask.statements.rescue import RESCUE, WORKER_LOCKS
 from tests.support import durable
 
 __all__ = [
@@ -445,7 +445,8 @@ def _outcomes(c: Connection, f: JobFixture) -> None:
 
 def _maintenance(c: Connection, f: JobFixture) -> None:
     durable.recover(c)
-    c.execute(RESCUE, {"limit": 10}).all()
+    c.execute(WORKER_LOCKS).all()
+    c.execute(RESCUE, {"owners": [_WORKER_ID], "limit": 10}).all()
     durable.wait_timeouts(c)
     c.execute(statements.NEXT_WAIT_TIMEOUT).all()
     c.execute(statements.PRUNE_WORKERS, {"retention_seconds": 0.0, "limit": 10}).all()

@@ -14,9 +14,9 @@ Create Date: 2026-12-01
 * Per-queue rate limits (``rate_limit`` starts per ``rate_period_seconds``) with their token
   buckets in ``rate_buckets`` (kept apart from ``queues`` so claims never contend with the
   capacity counter), and ``starvation_timeout_seconds``.
-* ``workers.lock_key`` and ``workers.locked_at``: the advisory lock every connection of a live
-  worker holds (shared), and when the worker last confirmed holding it; a worker whose lock
-  is gone since then has died, and its tasks are rescued at once instead of at lease expiry.
+* ``workers.lock_key``: the advisory lock every connection of a live worker holds (shared); a
+  worker whose lock is gone has died, and its tasks are rescued at once instead of at lease
+  expiry.
 * ``ix_tasks_finished`` becomes ``(queue, completed_at, state)``: retention reads a queue's
   expired history as one range, oldest first.
 * The trigger functions that write rows on behalf of whoever fired them run as their owner
@@ -105,7 +105,6 @@ def upgrade() -> None:
     op.create_index("ix_tasks_finished", "tasks", ["queue", "completed_at", "state"], schema="pgtask", postgresql_where=sa.text(f"state IN {_TERMINAL}"))
     op.add_column("attempts", sa.Column("deadline_at", _TS, nullable=True), schema="pgtask")
     op.add_column("workers", sa.Column("lock_key", sa.Integer(), nullable=True), schema="pgtask")
-    op.add_column("workers", sa.Column("locked_at", _TS, nullable=True), schema="pgtask")
 
     op.create_table(
         "schedules",
@@ -193,7 +192,6 @@ def downgrade() -> None:
     op.drop_table("audit_log", schema="pgtask")
     op.drop_index("ix_schedules_due", table_name="schedules", schema="pgtask")
     op.drop_table("schedules", schema="pgtask")
-    op.drop_column("workers", "locked_at", schema="pgtask")
     op.drop_column("workers", "lock_key", schema="pgtask")
     op.drop_column("attempts", "deadline_at", schema="pgtask")
     op.drop_index("ix_tasks_finished", table_name="tasks", schema="pgtask")
