@@ -236,3 +236,21 @@ def test_claimers_serving_governed_queues_in_opposite_orders_never_deadlock(
     for thread in threads:
         thread.join(PATIENCE)
     assert errors == []
+
+
+def test_a_claim_never_moves_the_refill_clock_back(pgtask_engine: Engine) -> None:
+    # A claim that waited for the bucket may have started before the claim that refilled it
+    # last; writing its own (earlier) time would credit the tokens of that gap twice.
+    with pgtask_engine.begin() as conn:
+        govern(conn, "default", limit=10, period=HOUR)
+        add_jobs(conn, 5)
+    with pgtask_engine.connect() as conn:
+        conn.execution_options(isolation_level="AUTOCOMMIT")
+        claim(conn, statements.CLAIM_GOVERNED, limit=1)  # creates the full bucket
+        ahead = conn.execute(
+            text("UPDATE pgtask.rate_buckets SET refilled_at = pgtask.now() + interval '1 hour'"
+                 " RETURNING refilled_at")
+        ).scalar_one()
+        assert claim(conn, statements.CLAIM_GOVERNED, limit=2) == 2
+        after = conn.execute(text("SELECT refilled_at FROM pgtask.rate_buckets")).scalar_one()
+    assert after == ahead

@@ -210,3 +210,18 @@ async def test_the_async_api_joins_the_callers_transaction(
         await delete_schedule_async(session, "a", reason="done")
         await session.commit()
         assert await list_schedules_async(session) == []
+
+
+async def test_the_async_materialiser_leaves_excluded_schedules_alone(
+    pgtask_async_engine: AsyncEngine, pgtask_clock: DatabaseClock
+) -> None:
+    set_now(pgtask_clock, T0)
+    async with AsyncSession(pgtask_async_engine) as session:
+        await set_schedule_async(session, "kept", task="job", cron="* * * * *")
+        await set_schedule_async(session, "left", task="job", cron="* * * * *")
+        await session.commit()
+    pgtask_clock.advance(60)
+    report = await materialize_schedules_async(pgtask_async_engine, exclude=["left"])
+    assert report.created == 1
+    assert await scheduled(pgtask_async_engine, "left") == []
+    assert len(await scheduled(pgtask_async_engine, "kept")) == 1
