@@ -14,8 +14,11 @@ Workloads (``--quick`` shrinks the counts):
 
 * ``baseline_insert``: raw psycopg, one ``INSERT`` + ``COMMIT`` per task (the ceiling for
   ``enqueue_single``).
-* ``enqueue_single``: ``with Session(engine) as s: enqueue(s, ...); s.commit()`` per task.
-* ``enqueue_many``: `enqueue_many` in batches of 1,000, one transaction per batch.
+* ``enqueue_single``: ``enqueue(connection, ...); connection.commit()`` per task on one held
+  connection (the raw loop's shape); ``enqueue_single_session`` opens a ``Session`` per task
+  (``with Session(engine) as s: enqueue(s, ...); s.commit()``), pool checkout included.
+* ``enqueue_many``: `enqueue_many` in batches of 1,000, one transaction per batch (which
+  goes by ``COPY``); ``baseline_copy`` is raw psycopg ``COPY`` of the same batches.
 * ``baseline_claim_complete``: one raw autocommit psycopg connection claiming up to 100 due
   tasks with one statement (attempt rows included) and completing them with one fenced
   statement; no handler dispatch (the ceiling for the drains). ``baseline_claim_complete_b10``
@@ -26,7 +29,10 @@ Workloads (``--quick`` shrinks the counts):
   both database times, so process start-up is excluded.
 * ``latency``: an idle worker (concurrency 10); tasks enqueued 20 ms apart, each committed on
   its own; latency = handler start (``time.time()`` returned by the handler) - the producer's
-  ``time.time()`` right after its commit returned (same host clock).
+  ``time.time()`` right after its commit returned (same host clock); also PostgreSQL's CPU per
+  task (per wake-up), the producer's enqueue included.
+* ``drain_c100_future`` and ``latency_future``: ``drain_c100_async`` and ``latency`` with
+  200,000 more tasks in the queue due in an hour: future work must cost nothing.
 
 Figures are medians over the repeats; ratios are computed within each repeat (same machine
 state) and their median is compared with the targets. The table is printed, then the JSON
@@ -84,6 +90,8 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_JSON = HERE / "results.json"
 QUEUE = "default"
 TASKS_MODULE = "pgtask_bench_tasks"
+#: Tasks due in an hour beside the due ones in the ``*_future`` workloads.
+FUTURE = 200_000
 
 #: The worker's handlers. ``noop`` and ``noop_sync`` return ``time.time()`` taken when the
 #: handler starts (the latency workload reads it back as the task's result).
@@ -472,15 +480,41 @@ def baseline_insert(bench: Bench) -> dict[str, Any]:
             conn.execute(INSERT_SQL, (uuid.uuid4(), QUEUE, "noop", json.dumps({"i": -i})))
             conn.commit()
         start = time.perf_counter()
+        cpu0 = time.process_time()
         for i in range(n):
             conn.execute(INSERT_SQL, (uuid.uuid4(), QUEUE, "noop", json.dumps({"i": i})))
             conn.commit()
+        cpu = time.process_time() - cpu0
         seconds = time.perf_counter() - start
-    return {"value": n / seconds, "unit": "tasks/s", "tasks": n, "seconds": seconds}
+    return {
+        "value": n / seconds, "unit": "tasks/s", "tasks": n, "seconds": seconds,
+        "client_cpu_us_per_task": cpu / n * 1e6,
+    }
 
 
 def enqueue_single(bench: Bench) -> dict[str, Any]:
-    """One `enqueue` per Session transaction."""
+    """`enqueue` + commit per task on one held connection: the raw loop's shape."""
+    reset(bench)
+    n = bench.config.single
+    with bench.engine.connect() as connection:
+        for i in range(bench.config.warmup):
+            enqueue(connection, "noop", {"i": -i})
+            connection.commit()
+        start = time.perf_counter()
+        cpu0 = time.process_time()
+        for i in range(n):
+            enqueue(connection, "noop", {"i": i})
+            connection.commit()
+        cpu = time.process_time() - cpu0
+        seconds = time.perf_counter() - start
+    return {
+        "value": n / seconds, "unit": "tasks/s", "tasks": n, "seconds": seconds,
+        "client_cpu_us_per_task": cpu / n * 1e6,
+    }
+
+
+def enqueue_single_session(bench: Bench) -> dict[str, Any]:
+    """One `enqueue` per new `Session` (pool checkout, transaction, commit, close)."""
     reset(bench)
     n = bench.config.single
     engine = bench.engine
@@ -505,6 +539,7 @@ def enqueue_many_workload(bench: Bench) -> dict[str, Any]:
         enqueue_many(session, [EnqueueRequest(name="noop", payload={"i": -1})])
         session.commit()
     start = time.perf_counter()
+    cpu0 = time.process_time()
     for first in range(0, n, batch):
         with Session(bench.engine) as session:
             enqueue_many(
@@ -513,8 +548,37 @@ def enqueue_many_workload(bench: Bench) -> dict[str, Any]:
                  for i in range(first, min(n, first + batch))],
             )
             session.commit()
+    cpu = time.process_time() - cpu0
     seconds = time.perf_counter() - start
-    return {"value": n / seconds, "unit": "tasks/s", "tasks": n, "seconds": seconds}
+    return {
+        "value": n / seconds, "unit": "tasks/s", "tasks": n, "seconds": seconds,
+        "client_cpu_us_per_task": cpu / n * 1e6,
+    }
+
+
+def baseline_copy(bench: Bench) -> dict[str, Any]:
+    """Raw psycopg: ``COPY`` of ``many_batch`` rows + ``COMMIT`` per batch, one connection."""
+    reset(bench)
+    n, batch = bench.config.many, bench.config.many_batch
+    command = (
+        "COPY pgtask.tasks (id, queue, name, version, payload, headers, priority) FROM STDIN"
+    )
+    with psycopg.connect(bench.conninfo) as conn:
+        start = time.perf_counter()
+        cpu0 = time.process_time()
+        for first in range(0, n, batch):
+            with conn.cursor() as cursor, cursor.copy(command) as copy:
+                for i in range(first, min(n, first + batch)):
+                    copy.write_row(
+                        (uuid.uuid4(), QUEUE, "noop", 1, json.dumps({"i": i}), "{}", 0)
+                    )
+            conn.commit()
+        cpu = time.process_time() - cpu0
+        seconds = time.perf_counter() - start
+    return {
+        "value": n / seconds, "unit": "tasks/s", "tasks": n, "seconds": seconds,
+        "client_cpu_us_per_task": cpu / n * 1e6,
+    }
 
 
 def baseline_claim_complete(bench: Bench, batch: int = 100) -> dict[str, Any]:
@@ -558,11 +622,28 @@ def baseline_claim_complete(bench: Bench, batch: int = 100) -> dict[str, Any]:
     }
 
 
-def drain(bench: Bench, label: str, name: str, concurrency: int) -> dict[str, Any]:
-    """Pre-enqueue ``drain`` tasks for handler ``name``; one worker drains them."""
+def add_future(bench: Bench, count: int, name: str) -> None:
+    """``count`` pending tasks for ``name`` due in an hour (one INSERT), then ANALYZE."""
+    with psycopg.connect(bench.conninfo, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO pgtask.tasks (queue, name, payload, run_at) "
+            "SELECT %s, %s, jsonb_build_object('future', g), "
+            "statement_timestamp() + interval '1 hour' FROM generate_series(1, %s) AS g",
+            (QUEUE, name, count),
+        )
+        conn.execute("ANALYZE pgtask.tasks")
+
+
+def drain(
+    bench: Bench, label: str, name: str, concurrency: int, future: int = 0
+) -> dict[str, Any]:
+    """Pre-enqueue ``drain`` tasks for handler ``name`` (and ``future`` tasks due in an hour);
+    one worker drains the due ones."""
     reset(bench)
     n = bench.config.drain
     preload(bench, n, name)
+    if future:
+        add_future(bench, future, name)
     with psycopg.connect(bench.conninfo, autocommit=True) as conn:
         started = time.monotonic()
         with worker_process(bench, concurrency, label) as proc:
@@ -574,7 +655,7 @@ def drain(bench: Bench, label: str, name: str, concurrency: int) -> dict[str, An
                 )
                 worker_cpu0, server_cpu0 = process_cpu(proc.pid), postgres_cpu()
                 wait_until(
-                    lambda: outstanding(conn) == 0, started + 60 + n / 50, proc,
+                    lambda: outstanding(conn) == future, started + 60 + n / 50, proc,
                     f"{label} to drain {n} tasks", interval=0.25,
                 )
             except RuntimeError as exc:
@@ -588,14 +669,18 @@ def drain(bench: Bench, label: str, name: str, concurrency: int) -> dict[str, An
         "value": n / seconds, "unit": "tasks/s", "tasks": n, "seconds": seconds,
         "worker_cpu_us_per_task": worker_cpu / n * 1e6,
         "server_cpu_us_per_task": server_cpu / n * 1e6,
+        "cpu_us_per_task": (worker_cpu + server_cpu) / n * 1e6,
     }
 
 
-def latency(bench: Bench) -> dict[str, Any]:
-    """Enqueue-to-handler-start latency against an idle worker (concurrency 10)."""
+def latency(bench: Bench, future: int = 0) -> dict[str, Any]:
+    """Enqueue-to-handler-start latency against an idle worker (concurrency 10), with
+    ``future`` tasks due in an hour in the same queue; PostgreSQL CPU per wake-up."""
     reset(bench)
     config = bench.config
-    label = "latency"
+    label = "latency_future" if future else "latency"
+    if future:
+        add_future(bench, future, "noop")
     with psycopg.connect(bench.conninfo, autocommit=True) as conn, worker_process(
         bench, 10, label
     ) as proc:
@@ -607,6 +692,7 @@ def latency(bench: Bench) -> dict[str, Any]:
         time.sleep(1.0)  # its claim loop has run once and is now asleep
         committed: dict[uuid.UUID, float] = {}
         total = config.warmup + config.latency
+        server_cpu0 = 0.0
         next_at = time.monotonic()
         for i in range(total):
             delay = next_at - time.monotonic()
@@ -617,16 +703,20 @@ def latency(bench: Bench) -> dict[str, Any]:
                 result = enqueue(session, "noop", {"i": i})
                 session.commit()
                 done = time.time()
+            if i == config.warmup - 1:
+                server_cpu0 = postgres_cpu()
             if i >= config.warmup:  # the first tasks warm statement caches and plans
                 committed[result.id] = done
 
         def finished() -> bool:
-            return outstanding(conn) == 0
+            return outstanding(conn) == future
 
         try:
             wait_until(finished, time.monotonic() + 60, proc, "the latency tasks to finish")
         except RuntimeError as exc:
             raise RuntimeError(f"{exc}\n{log_tail(bench, label)}") from None
+        # Includes the producer's enqueue transactions, the same in both workloads.
+        server_cpu = postgres_cpu() - server_cpu0
         rows = conn.execute(
             "SELECT id, result, state FROM pgtask.tasks WHERE id = ANY(%s)", (list(committed),)
         ).fetchall()
@@ -637,13 +727,16 @@ def latency(bench: Bench) -> dict[str, Any]:
     return {
         "value": cuts[49], "unit": "ms (p50)", "p50_ms": cuts[49], "p95_ms": cuts[94],
         "p99_ms": cuts[98], "max_ms": millis[-1], "min_ms": millis[0], "tasks": len(millis),
+        "server_cpu_us_per_task": server_cpu / len(millis) * 1e6,
     }
 
 
 WORKLOADS: dict[str, Callable[[Bench], dict[str, Any]]] = {
     "baseline_insert": baseline_insert,
     "enqueue_single": enqueue_single,
+    "enqueue_single_session": enqueue_single_session,
     "enqueue_many": enqueue_many_workload,
+    "baseline_copy": baseline_copy,
     "baseline_claim_complete": baseline_claim_complete,
     # Not a target: the same raw loop with batches of 10, the most a worker at concurrency 10
     # can claim at once; it shows what the schema allows per statement at that batch size.
@@ -653,6 +746,9 @@ WORKLOADS: dict[str, Callable[[Bench], dict[str, Any]]] = {
     "drain_c10_sync": lambda b: drain(b, "drain_c10_sync", "noop_sync", 10),
     "drain_c100_sync": lambda b: drain(b, "drain_c100_sync", "noop_sync", 100),
     "latency": latency,
+    # Future work costs nothing: the same with FUTURE tasks due in an hour in the queue.
+    "drain_c100_future": lambda b: drain(b, "drain_c100_future", "noop", 100, FUTURE),
+    "latency_future": lambda b: latency(b, FUTURE),
 }
 
 
@@ -670,6 +766,8 @@ class Target:
 
 #: Printed for reading the figures, never judged.
 INFO = (
+    ("enqueue_many / baseline_copy", "enqueue_many", "baseline_copy"),
+    ("enqueue_single_session / baseline_insert", "enqueue_single_session", "baseline_insert"),
     ("drain_c10_async / baseline_claim_complete_b10", "drain_c10_async",
      "baseline_claim_complete_b10"),
     ("baseline_claim_complete_b10 / baseline_claim_complete", "baseline_claim_complete_b10",
@@ -679,14 +777,22 @@ INFO = (
 
 TARGETS = (
     Target("drain_c100_async / baseline_claim_complete", "drain_c100_async",
-           "baseline_claim_complete", 0.6, at_least=True),
+           "baseline_claim_complete", 0.9, at_least=True),
     Target("drain_c10_async / baseline_claim_complete", "drain_c10_async",
-           "baseline_claim_complete", 0.3, at_least=True),
-    Target("enqueue_single / baseline_insert", "enqueue_single", "baseline_insert", 0.6,
+           "baseline_claim_complete", 0.6, at_least=True),
+    Target("CPU us per task at c100 (worker + PostgreSQL)", "drain_c100_async.cpu_us_per_task",
+           None, 110.0, at_least=False),
+    Target("enqueue_single / baseline_insert", "enqueue_single", "baseline_insert", 0.9,
            at_least=True),
-    Target("enqueue_many tasks/s", "enqueue_many", None, 50_000.0, at_least=True),
-    Target("latency p50 ms", "latency.p50_ms", None, 2.0, at_least=False),
-    Target("latency p99 ms", "latency.p99_ms", None, 5.0, at_least=False),
+    Target("enqueue_many tasks/s", "enqueue_many", None, 60_000.0, at_least=True),
+    Target("latency p50 ms", "latency.p50_ms", None, 1.2, at_least=False),
+    Target("latency p99 ms", "latency.p99_ms", None, 2.5, at_least=False),
+    Target("drain_c100_future / drain_c100_async", "drain_c100_future", "drain_c100_async",
+           0.9, at_least=True),
+    Target("latency_future p50 / latency p50", "latency_future.p50_ms", "latency.p50_ms", 1.2,
+           at_least=False),
+    Target("PostgreSQL CPU per wake-up, future / none", "latency_future.server_cpu_us_per_task",
+           "latency.server_cpu_us_per_task", 1.2, at_least=False),
 )
 
 

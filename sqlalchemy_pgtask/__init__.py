@@ -61,6 +61,7 @@ from sqlalchemy_pgtask.errors import (
     ValidationError,
     WorkerCrashed,
 )
+from sqlalchemy_pgtask.explain import Explanation, Reason, explain, explain_async
 from sqlalchemy_pgtask.grants import grant_roles, grant_roles_async, grants_sql
 from sqlalchemy_pgtask.models import (
     Attempt,
@@ -125,6 +126,7 @@ __all__ = [
     "DeclaredSchedule",
     "EnqueueRequest",
     "EnqueueResult",
+    "Explanation",
     "Fail",
     "HandlerPolicy",
     "IdempotencyConflict",
@@ -140,6 +142,7 @@ __all__ = [
     "QueueFull",
     "QueueSettings",
     "RateBucket",
+    "Reason",
     "Registry",
     "ReplayMismatch",
     "RetentionResult",
@@ -180,6 +183,8 @@ __all__ = [
     "enqueue_async",
     "enqueue_many",
     "enqueue_many_async",
+    "explain",
+    "explain_async",
     "get_schedule",
     "get_schedule_async",
     "get_task",

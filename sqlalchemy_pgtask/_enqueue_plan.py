@@ -20,8 +20,9 @@ from typing import Any, Final, NamedTuple
 
 from sqlalchemy import Executable
 
-from sqlalchemy_pgtask import statements
-from sqlalchemy_pgtask.errors import IdempotencyConflict, InvalidOptionError
+from sqlalchemy_pgtask import statements, telemetry
+from sqlalchemy_pgtask._enqueue_copy import copy_rows
+from sqlalchemy_pgtask.errors import IdempotencyConflict, InvalidOptionError, ValidationError
 from sqlalchemy_pgtask.validation import (
     INT2_MAX,
     INT2_MIN,
@@ -127,41 +128,50 @@ def new_ids(count: int) -> list[uuid.UUID]:
 
 
 def validate_request(request: EnqueueRequest, task_id: uuid.UUID, prefix: str = "") -> TaskRow:
-    """Check every field of ``request`` and serialise its JSON; ``prefix`` names its place."""
+    """Check every field of ``request`` and serialise its JSON; ``prefix`` names its place.
 
-    def where(name: str) -> str:
-        return f"{prefix}{name}"
+    With OpenTelemetry, the headers get the current trace context unless they carry one.
+    """
+    try:
+        return _validated(request, task_id, telemetry.trace_carrier())
+    except ValidationError as exc:
+        if not prefix:
+            raise
+        raise _placed(exc, prefix) from exc.__cause__
 
-    name = check_task_name(request.name, where("name"))
-    queue = check_queue_name(request.queue, where("queue"))
-    version = check_int_range(where("version"), request.version, 1, INT4_MAX)
-    priority = check_int_range(where("priority"), request.priority, INT2_MIN, INT2_MAX)
-    max_attempts = (
-        None
-        if request.max_attempts is None
-        else check_int_range(where("max_attempts"), request.max_attempts, 1, INT4_MAX)
-    )
-    key = (
-        None
-        if request.idempotency_key is None
-        else check_idempotency_key(request.idempotency_key, where("idempotency_key"))
-    )
-    if request.run_at is not None and request.delay is not None:
-        raise InvalidOptionError(where("run_at"), "give either run_at or delay, not both")
-    run_at = None if request.run_at is None else check_run_at(where("run_at"), request.run_at)
-    seconds = 0.0 if request.delay is None else check_delay(where("delay"), request.delay)
+
+def _placed(exc: ValidationError, prefix: str) -> ValidationError:
+    # Field names are prefixed only on the way out: valid requests pay nothing for them.
+    return type(exc)(f"{prefix}{exc.field}", exc.reason)
+
+
+def _validated(
+    request: EnqueueRequest, task_id: uuid.UUID, carrier: Mapping[str, str] | None
+) -> TaskRow:
+    max_attempts = request.max_attempts
+    if max_attempts is not None:
+        max_attempts = check_int_range("max_attempts", max_attempts, 1, INT4_MAX)
+    key = request.idempotency_key
+    if key is not None:
+        key = check_idempotency_key(key)
+    run_at, delay = request.run_at, request.delay
+    if run_at is not None:
+        if delay is not None:
+            raise InvalidOptionError("run_at", "give either run_at or delay, not both")
+        run_at = check_run_at("run_at", run_at)
+    headers = telemetry.with_trace_context(request.headers, carrier)
     return TaskRow(
         id=task_id,
-        queue=queue,
-        name=name,
-        version=version,
-        payload=dump_json(where("payload"), request.payload, PAYLOAD_MAX_BYTES),
-        headers=dump_headers(request.headers, where("headers")),
-        priority=priority,
+        queue=check_queue_name(request.queue),
+        name=check_task_name(request.name),
+        version=check_int_range("version", request.version, 1, INT4_MAX),
+        payload=dump_json("payload", request.payload, PAYLOAD_MAX_BYTES),
+        headers="{}" if headers is None else dump_headers(headers),
+        priority=check_int_range("priority", request.priority, INT2_MIN, INT2_MAX),
         max_attempts=max_attempts,
         run_at=run_at,
-        delay=seconds,
-        timeout=check_time_limit(where("timeout"), request.timeout),
+        delay=0.0 if delay is None else check_delay("delay", delay),
+        timeout=None if request.timeout is None else check_time_limit("timeout", request.timeout),
         key=key,
     )
 
@@ -176,6 +186,9 @@ class Plan(NamedTuple):
     #: request in the batch with the same queue and idempotency key).
     owners: list[int]
     returns_rows: bool
+    #: The same rows for ``COPY`` (`sqlalchemy_pgtask._enqueue_copy`), for a driver that can: a
+    #: large batch without idempotency keys or delays. ``statement`` stays the fallback.
+    copy_rows: list[tuple[Any, ...]] | None = None
 
     @property
     def idempotent(self) -> bool:
@@ -212,6 +225,7 @@ def plan_many(rows: list[TaskRow]) -> Plan:
         unique.append(row)
         ords.append(index)
     first = rows[0]
+    copy = copy_rows(rows) if not first_of_key else None
     shared = (first.queue, first.name, first.version, first.headers, first.priority,
               first.max_attempts, first.run_at, first.delay, first.timeout)
     if not first_of_key and all(
@@ -227,11 +241,16 @@ def plan_many(rows: list[TaskRow]) -> Plan:
             "max_attempts": first.max_attempts, "run_at": first.run_at, "delay": first.delay,
             "timeout_seconds": first.timeout,
         }
-        return Plan(statements.ENQUEUE_UNIFORM, uniform, rows, owners, returns_rows=False)
+        return Plan(
+            statements.ENQUEUE_UNIFORM, uniform, rows, owners, returns_rows=False,
+            copy_rows=copy,
+        )
     params = _batch_params(unique, ords)
     if first_of_key:
         return Plan(statements.ENQUEUE_BATCH_IDEMPOTENT, params, rows, owners, returns_rows=True)
-    return Plan(statements.ENQUEUE_BATCH, params, rows, owners, returns_rows=False)
+    return Plan(
+        statements.ENQUEUE_BATCH, params, rows, owners, returns_rows=False, copy_rows=copy
+    )
 
 
 def _batch_params(rows: Sequence[TaskRow], ords: Sequence[int]) -> dict[str, Any]:
@@ -339,13 +358,15 @@ def plan_one(
 def validate_many(requests: Iterable[EnqueueRequest]) -> list[TaskRow]:
     batch = list(requests)
     ids = new_ids(len(batch))
+    carrier = telemetry.trace_carrier()  # the same for the whole batch
     rows = []
     for index, request in enumerate(batch):
         if not isinstance(request, EnqueueRequest):
             raise InvalidOptionError(
                 f"[{index}]", f"must be an EnqueueRequest, got {type(request).__name__}"
             )
-        rows.append(validate_request(request, ids[index], f"[{index}]."))
+        try:
+            rows.append(_validated(request, ids[index], carrier))
+        except ValidationError as exc:
+            raise _placed(exc, f"[{index}].") from exc.__cause__
     return rows
-
-

@@ -215,7 +215,7 @@ def wait_for_result(
                 if wait <= 0:
                     raise TimeoutError(f"task {wanted} did not finish within {timeout} s")
             for payload in listener.payloads(timeout=wait):
-                if payload == str(wanted):
+                if str(wanted) in payload.split(","):
                     break
 
 
@@ -247,5 +247,5 @@ async def wait_for_result_async(
                     if wait <= 0:
                         raise TimeoutError(f"task {wanted} did not finish within {timeout} s")
                 async for payload in listener.payloads(timeout=wait):
-                    if payload == str(wanted):
+                    if str(wanted) in payload.split(","):
                         break

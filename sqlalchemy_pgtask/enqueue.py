@@ -27,6 +27,7 @@ from sqlalchemy_pgtask._connection import (
     sync_bind,
     translated_errors,
 )
+from sqlalchemy_pgtask._enqueue_copy import copy_rows_async, copy_rows_sync
 from sqlalchemy_pgtask._enqueue_plan import (
     DEFAULT_QUEUE,
     EnqueueRequest,
@@ -57,6 +58,8 @@ def _execute(bind: Session | Connection, plan: Plan) -> list[EnqueueResult]:
     connection = connection_of(bind)
     steps = execution(plan)
     with translated_errors(idempotent=plan.idempotent):
+        if plan.copy_rows is not None and copy_rows_sync(connection, plan.copy_rows):
+            return [EnqueueResult(row.id, True) for row in plan.rows]
         statement, params = next(steps)
         while True:
             result = connection.execute(statement, params)
@@ -71,6 +74,8 @@ async def _execute_async(bind: AsyncSession | AsyncConnection, plan: Plan) -> li
     connection = await async_connection_of(bind)
     steps = execution(plan)
     with translated_errors(idempotent=plan.idempotent):
+        if plan.copy_rows is not None and await copy_rows_async(connection, plan.copy_rows):
+            return [EnqueueResult(row.id, True) for row in plan.rows]
         statement, params = next(steps)
         while True:
             result = await connection.execute(statement, params)
@@ -161,6 +166,10 @@ async def enqueue_async(
 
 def enqueue_many(bind: SyncBind, requests: Iterable[EnqueueRequest]) -> list[EnqueueResult]:
     """Add many tasks with one statement (one round trip), all or nothing.
+
+    A batch of 100 or more requests without idempotency keys or delays is sent with
+    ``COPY`` instead (on psycopg), in the same transaction, with the same triggers: capacity
+    is enforced and workers are woken as for the statement.
 
     Every request is validated before anything is sent; one bad request rejects the batch.
     Results come back in request order. Two requests with the same queue and idempotency key

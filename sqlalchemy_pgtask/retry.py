@@ -15,6 +15,7 @@ instead of retrying them in lock-step.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Sequence
@@ -148,12 +149,9 @@ class RetryPolicy:
         if row.retry_kind is None:
             return None
         kind: RetryKind = row.retry_kind  # type: ignore[assignment]  # the CHECK allows no other
-        return cls(
-            kind,
-            base_seconds=row.retry_base_seconds,
-            factor=row.retry_factor,
-            max_seconds=row.retry_max_seconds,
-            jitter=bool(row.retry_jitter),
+        return _stored_policy(
+            kind, row.retry_base_seconds, row.retry_factor, row.retry_max_seconds,
+            bool(row.retry_jitter),
         )
 
     @staticmethod
@@ -177,3 +175,19 @@ class RetryPolicy:
 
 # Jitter needs spread, not secrecy.
 _RNG = random.Random()  # noqa: S311
+
+
+@functools.lru_cache(maxsize=256)
+def _stored_policy(
+    kind: RetryKind,
+    base_seconds: float | None,
+    factor: float | None,
+    max_seconds: float | None,
+    jitter: bool,
+) -> RetryPolicy:
+    # Every task of a handler stores the same policy: one frozen object serves them all,
+    # instead of one built and validated per claimed task.
+    return RetryPolicy(
+        kind, base_seconds=base_seconds, factor=factor, max_seconds=max_seconds, jitter=jitter
+    )
+

@@ -299,6 +299,10 @@ def jsonb_text_size(text: str) -> int:
     return size
 
 
+#: ``json.dumps`` with options builds an encoder per call; one is enough.
+_ENCODE: Final = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
+
+
 def dump_json(field: str, value: object, max_bytes: int) -> str:
     """Serialise ``value`` to the JSON text that will be cast to ``jsonb``.
 
@@ -307,7 +311,7 @@ def dump_json(field: str, value: object, max_bytes: int) -> str:
     full), so a value accepted here is never rejected by the database.
     """
     try:
-        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        text = _ENCODE(value)
     except (TypeError, ValueError) as exc:
         raise PayloadError(field, f"is not JSON-serialisable: {exc}") from exc
     except RecursionError as exc:
@@ -317,13 +321,14 @@ def dump_json(field: str, value: object, max_bytes: int) -> str:
         where = _find_nul(value, field)
         if where is not None:
             raise PayloadError(field, f"contains a NUL character at {where}")
-    size = jsonb_text_size(text)
-    if size > max_bytes:
-        raise PayloadError(field, f"is {size} bytes as jsonb text; the limit is {max_bytes}")
     try:
-        text.encode("utf-8")
+        size = len(text.encode("utf-8"))
     except UnicodeEncodeError as exc:
         raise PayloadError(field, "contains an unpaired surrogate character") from exc
+    if _FLOAT_EXPONENT.search(text):
+        size = jsonb_text_size(text)
+    if size > max_bytes:
+        raise PayloadError(field, f"is {size} bytes as jsonb text; the limit is {max_bytes}")
     return text
 
 

@@ -16,7 +16,15 @@ from typing import Any, Final, NoReturn
 
 from sqlalchemy_pgtask import WorkerOptions, __version__
 from sqlalchemy_pgtask._logging import LOG_FORMATS
-from sqlalchemy_pgtask.cli import _commands, _grants, _inspect, _retention, _schedules
+from sqlalchemy_pgtask.cli import (
+    _commands,
+    _dashboard,
+    _explain,
+    _grants,
+    _inspect,
+    _retention,
+    _schedules,
+)
 from sqlalchemy_pgtask.cli._connection import URL_ENV
 from sqlalchemy_pgtask.cli._errors import EXIT_USAGE
 from sqlalchemy_pgtask.cli._types import int_between as _int_between
@@ -106,6 +114,20 @@ def _add_worker(commands: Any) -> None:
         help="text lines, or one JSON object per line with the task's fields "
         "(default: %(default)s)",
     )
+    worker.add_argument(
+        "--metrics-port", type=_int_between(0, 65_535), metavar="PORT",
+        help="serve Prometheus metrics (/metrics) and probes (/healthz, /readyz) on this "
+        "port; 0 picks a free one (needs the metrics extra; default: no server)",
+    )
+    worker.add_argument(
+        "--metrics-host", metavar="HOST", default=worker_default("metrics_host"),
+        help="address the metrics server listens on (default: %(default)s)",
+    )
+    worker.add_argument(
+        "--metrics-interval", type=_seconds, metavar="SECONDS",
+        default=worker_default("metrics_interval"),
+        help="seconds between samples of the queues' backlog (default: %(default)s)",
+    )
     worker.set_defaults(handler=_commands.worker)
 
 
@@ -140,6 +162,7 @@ def _add_task(commands: Any) -> None:
     )
     _add_url_option(show)
     show.set_defaults(handler=_inspect.task_show)
+    _explain.add_command(actions, _add_url_option)
 
     cancel = actions.add_parser(
         "cancel", help="cancel a task (audited)",
@@ -303,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_audit(commands)
     _schedules.add_commands(commands)
     _retention.add_commands(commands)
+    _dashboard.add_commands(commands)
     _grants.add_commands(commands)
 
     demo = commands.add_parser(

@@ -70,6 +70,9 @@ def worker(args: argparse.Namespace) -> int:
         shutdown_grace=args.shutdown_grace,
         poll_interval=args.poll_interval,
         instant_rescue=args.instant_rescue,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        metrics_interval=args.metrics_interval,
     )
     # First signal: drain; second: hand back what runs and stop now; later ones are ignored
     # until the process has exited, so a late signal cannot turn a clean exit into 143/130.

@@ -32,6 +32,7 @@ from sqlalchemy_pgtask.status import (
 __all__ = [
     "audit_json",
     "audit_lines",
+    "json_default",
     "queue_settings_line",
     "rate",
     "status_lines",
@@ -276,7 +277,8 @@ def task_detail_lines(task: TaskDetail) -> list[str]:
     return out
 
 
-def _json_default(value: object) -> Any:
+def json_default(value: object) -> Any:
+    """``json.dumps``'s ``default`` for the CLI's documents: times in ISO 8601, ids as text."""
     if isinstance(value, datetime):
         return value.isoformat()
     if isinstance(value, uuid.UUID):
@@ -298,7 +300,7 @@ def task_detail_json(task: TaskDetail) -> str:
         "children": [dataclasses.asdict(child) for child in task.children],
         "parent": None if task.parent is None else dataclasses.asdict(task.parent),
     }
-    return json.dumps(document, default=_json_default, ensure_ascii=False)
+    return json.dumps(document, default=json_default, ensure_ascii=False)
 
 
 #: Rate periods with a name of their own: ``100/m`` rather than ``100/60s``.
@@ -371,5 +373,5 @@ def audit_json(entries: Sequence[AuditRecord]) -> str:
     """``pgtask audit --json``: a JSON array of the entries, newest first, on one line."""
     return json.dumps(
         [dataclasses.asdict(entry) for entry in entries],
-        default=_json_default, ensure_ascii=False,
+        default=json_default, ensure_ascii=False,
     )

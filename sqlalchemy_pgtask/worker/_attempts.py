@@ -19,6 +19,7 @@ from sqlalchemy_pgtask.context import BaseTaskContext
 from sqlalchemy_pgtask.registry import TaskDefinition
 from sqlalchemy_pgtask.retry import RetryPolicy
 from sqlalchemy_pgtask.statements import Lease
+from sqlalchemy_pgtask.worker._observer import NO_OBSERVER, Observer
 
 __all__ = ["ActiveAttempt", "AttemptBook"]
 
@@ -63,6 +64,8 @@ class AttemptBook:
         #: Set whenever a slot or an active entry frees up (the claim loop's wake-up event:
         #: one event, so a full worker waits on one future per freed slot).
         self.changed = changed
+        #: Told what the loops sharing this book do, for traces and metrics.
+        self.observer: Observer = NO_OBSERVER
 
     def free_slots(self) -> int:
         return min(

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
+import functools
 import inspect
 import logging
 import queue
@@ -175,6 +177,7 @@ class Executor:
 
     async def _execute(self, attempt: ActiveAttempt) -> None:
         ctx, definition = attempt.ctx, attempt.definition
+        self._book.observer.attempt_started(attempt)
         returned: object = None
         raised: BaseException | None = None
         try:
@@ -183,9 +186,10 @@ class Executor:
             if definition.is_async:
                 returned = await definition.handler(ctx, attempt.payload)
             else:
-                ok, value = await self._threads.run(
-                    lambda: definition.handler(ctx, attempt.payload)
-                )
+                # In this task's context (as asyncio.to_thread does): its trace span included.
+                ok, value = await self._threads.run(functools.partial(
+                    contextvars.copy_context().run, definition.handler, ctx, attempt.payload
+                ))
                 if not ok:
                     raise value
                 returned = value
@@ -237,6 +241,7 @@ class Executor:
                 self._book.forget(attempt)
             else:
                 self._sink.submit(attempt, outcome)
+            self._book.observer.attempt_finished(attempt, outcome, raised)
 
     def _log_end(
         self, attempt: ActiveAttempt, outcome: Outcome | None, raised: BaseException | None

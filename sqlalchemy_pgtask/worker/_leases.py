@@ -77,6 +77,7 @@ class LeaseKeeper:
                 await conn.execute(statements.RENEW, statements.renew_params(leases, self._lease))
             ).all()
             renewed = {row.id: bool(row.cancel) for row in rows}
+            self._book.observer.leases_renewed(len(rows))
             missing = [a for a in entries if a.task_id not in renewed]
             held: set[Lease] = set()
             if missing:
@@ -106,6 +107,7 @@ class LeaseKeeper:
                     attempt.task_id, attempt.lease.attempt,
                 )
                 self._executor.stop(attempt, "lease_lost")
+                self._book.observer.lease_lost("lost")
 
     async def watchdog(self) -> None:
         limit = self._lease * WATCHDOG_FRACTION
@@ -121,3 +123,4 @@ class LeaseKeeper:
                         attempt.task_id, attempt.lease.attempt, now - attempt.lease_sent_at,
                     )
                     self._executor.stop(attempt, "lease_expiring")
+                    self._book.observer.lease_lost("expiring")

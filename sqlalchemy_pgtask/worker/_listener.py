@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from sqlalchemy_pgtask._connection import READY_CHANNEL, WAKE_ALL, listening_connection
+from sqlalchemy_pgtask.worker._observer import NO_OBSERVER, Observer
 from sqlalchemy_pgtask.worker._reconnect import Backoff, brief, is_transient
 
 __all__ = ["Listener"]
@@ -42,6 +43,7 @@ class Listener:
         self._timeout = connect_timeout
         #: Set while the LISTEN is established.
         self.listening = asyncio.Event()
+        self.observer: Observer = NO_OBSERVER
 
     async def run(self) -> None:
         backoff = Backoff()
@@ -52,6 +54,7 @@ class Listener:
                 ) as listener:
                     backoff.reset()
                     self.listening.set()
+                    self.observer.connected(self)
                     self._wake_all()  # whatever happened while we were deaf is due now
                     async for payload in listener.payloads():
                         if payload in self._queues:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Final
@@ -35,6 +36,23 @@ def _count(name: str, value: object, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
         raise InvalidOptionError(name, f"must be an int between 1 and {high}, got {value!r}")
     return value
+
+
+def _check_metrics(port: object, host: object, interval: object) -> None:
+    _duration("metrics_interval", interval, low=0.05)
+    if not isinstance(host, str) or not host:
+        raise InvalidOptionError("metrics_host", f"must be a host name or address, got {host!r}")
+    if port is None:
+        return
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65_535:
+        raise InvalidOptionError(
+            "metrics_port", f"must be an int between 0 and 65535, got {port!r}"
+        )
+    if importlib.util.find_spec("prometheus_client") is None:
+        raise InvalidOptionError(
+            "metrics_port",
+            "needs the prometheus-client package: pip install 'sqlalchemy-pgtask[metrics]'",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +113,14 @@ class WorkerOptions:
     retention_interval: float = 60.0
     #: Rows one retention statement deletes (up to 16 statements of each kind per pass).
     retention_batch_size: int = 1000
+    #: Serve Prometheus metrics (``/metrics``) and the probes ``/healthz`` and ``/readyz`` on
+    #: this TCP port (0: any free port, logged); None: no server, no port opened. Needs the
+    #: ``metrics`` extra (``prometheus-client``). See ``docs/observability.md``.
+    metrics_port: int | None = None
+    #: The address the metrics server listens on.
+    metrics_host: str = "127.0.0.1"
+    #: Seconds between samples of the queues' backlog (one statement each time).
+    metrics_interval: float = 10.0
 
     def __post_init__(self) -> None:
         _count("concurrency", self.concurrency, 10_000)
@@ -124,6 +150,7 @@ class WorkerOptions:
         _count("schedule_batch_size", self.schedule_batch_size, 10_000)
         _duration("retention_interval", self.retention_interval, low=0.01)
         _count("retention_batch_size", self.retention_batch_size, 100_000)
+        _check_metrics(self.metrics_port, self.metrics_host, self.metrics_interval)
         if self.queues is not None:
             if isinstance(self.queues, str) or not isinstance(self.queues, tuple):
                 raise InvalidOptionError("queues", "must be a tuple of queue names")

@@ -132,6 +132,7 @@ class Producer:
                 # and recovered anyway.
                 self._unknown_until = time.monotonic() + self._lease
                 raise
+            self._book.observer.claimed(len(rows))
             for row in rows:
                 self._executor.start(row, sent)
             if len(rows) == free:

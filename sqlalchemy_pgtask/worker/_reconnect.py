@@ -20,6 +20,8 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from sqlalchemy_pgtask.worker._observer import NO_OBSERVER, Observer
+
 __all__ = ["PLANNER_SETTINGS", "Backoff", "HeldConnection", "brief", "is_transient"]
 
 
@@ -120,6 +122,7 @@ class HeldConnection:
         )
         self._connection: AsyncConnection | None = None
         self._turn = asyncio.Lock()
+        self.observer: Observer = NO_OBSERVER
 
     @contextlib.asynccontextmanager
     async def use(self) -> AsyncIterator[AsyncConnection]:
@@ -141,6 +144,7 @@ class HeldConnection:
                 await connection.close()
                 raise
             self._connection = connection
+            self.observer.connected(self)
         try:
             yield self._connection
         except BaseException:

@@ -39,6 +39,7 @@ from sqlalchemy_pgtask.worker._executor import Executor
 from sqlalchemy_pgtask.worker._leases import LeaseKeeper
 from sqlalchemy_pgtask.worker._listener import Listener
 from sqlalchemy_pgtask.worker._maintenance import MaintenanceRunner, WaitTimeouts
+from sqlalchemy_pgtask.worker._observer import observe
 from sqlalchemy_pgtask.worker._options import WorkerOptions
 from sqlalchemy_pgtask.worker._producer import Producer
 from sqlalchemy_pgtask.worker._reconnect import HeldConnection
@@ -179,6 +180,7 @@ class Worker:
         self._closing = False
         self._crash = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._observer = observe(self)  # traces and metrics; does nothing if neither is on
 
     # -- public control ------------------------------------------------------------------
 
@@ -237,6 +239,7 @@ class Worker:
         """
         self._loop = asyncio.get_running_loop()
         try:
+            await self._observer.start()
             await self._check_schema()
             self._spawn("listener", self._listener.run())
             await first(
@@ -372,6 +375,7 @@ class Worker:
 
     async def _close(self) -> None:
         self._closing = True
+        await self._observer.stop()
         loops = list(self._loops.values())
         handles = self._executor.handles()
         for attempt in self._book.running():

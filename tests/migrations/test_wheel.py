@@ -52,6 +52,12 @@ def test_wheel_ships_the_alembic_template_the_revisions_and_py_typed(wheel: Path
         "sqlalchemy_pgtask/migrations/versions/pgtask_0002_runtime_v2.py",
         "sqlalchemy_pgtask/migrations/versions/pgtask_0003_durable.py",
     } <= names
+    # The dashboard's templates and stylesheet are package data, read from the install.
+    assert {
+        "sqlalchemy_pgtask/dashboard/templates/base.html",
+        "sqlalchemy_pgtask/dashboard/templates/task.html",
+        "sqlalchemy_pgtask/dashboard/static/dashboard.css",
+    } <= names
     assert not [name for name in names if "__pycache__" in name or name.endswith(".pyc")]
 
 

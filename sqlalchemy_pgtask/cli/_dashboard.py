@@ -1,0 +1,87 @@
+"""cli._dashboard: ``pgtask dashboard``: serve the web dashboard with uvicorn; holds no logic of
+its own (the application is `sqlalchemy_pgtask.dashboard.create_app`).
+
+The admin token comes from ``--admin-token`` or ``$PGTASK_DASHBOARD_TOKEN``; prefer the
+variable, since a command line is visible to every user of the host (``ps``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from typing import Any, Final
+
+from sqlalchemy import create_engine
+
+from sqlalchemy_pgtask import SchemaNotInstalled, status
+from sqlalchemy_pgtask.cli._connection import URL_ENV, database_url
+from sqlalchemy_pgtask.cli._errors import EXIT_OK, UsageError
+from sqlalchemy_pgtask.cli._types import int_between
+
+__all__ = ["TOKEN_ENV", "add_commands", "dashboard"]
+
+TOKEN_ENV: Final = "PGTASK_DASHBOARD_TOKEN"  # noqa: S105 - a variable name, not a secret
+_INSTALL: Final = 'pip install "sqlalchemy-pgtask[dashboard]"'
+#: Import names of the extra's packages.
+_NEEDS: Final = ("starlette", "jinja2", "multipart", "uvicorn")
+
+
+def dashboard(args: argparse.Namespace) -> int:
+    missing = [name for name in _NEEDS if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(f"the dashboard needs {', '.join(missing)}: {_INSTALL}")
+    import uvicorn
+
+    from sqlalchemy_pgtask.dashboard import create_app
+
+    token = args.admin_token or os.environ.get(TOKEN_ENV) or None
+    if token is not None and len(token) < 8:
+        raise UsageError("the admin token must be at least 8 characters")
+    engine = create_engine(database_url(args), pool_size=4, max_overflow=4, pool_pre_ping=True)
+    try:
+        with engine.connect() as connection:
+            if not status.schema_installed(connection):
+                raise SchemaNotInstalled()
+        app = create_app(engine, admin_token=token)
+        mode = "actions need the admin token" if token else "read-only (no admin token)"
+        print(f"pgtask dashboard on http://{args.host}:{args.port}/ ({mode})", flush=True)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.dispose()
+    return EXIT_OK
+
+
+def add_commands(commands: Any) -> None:
+    """Add ``pgtask dashboard`` to the ``pgtask`` parser's subcommands."""
+    command = commands.add_parser(
+        "dashboard",
+        help="serve the web dashboard (needs the 'dashboard' extra)",
+        description=(
+            "Serve the web dashboard: queues, tasks, workers, schedules and the audit log. "
+            "Read-only unless an admin token is given; with one, an operator who logs in "
+            "with it may retry, cancel, pause and resume, each written to the audit log. "
+            f"Needs the extra: {_INSTALL}."
+        ),
+    )
+    command.add_argument(
+        "--database-url",
+        metavar="URL",
+        help=f"PostgreSQL URL, e.g. postgresql://user@host/db (default: ${URL_ENV})",
+    )
+    command.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
+    )
+    command.add_argument(
+        "--port", type=int_between(1, 65535), default=8080,
+        help="port to listen on (default: %(default)s)",
+    )
+    command.add_argument(
+        "--admin-token", metavar="TOKEN",
+        help=f"enables actions (default: ${TOKEN_ENV}; prefer the variable)",
+    )
+    command.add_argument(
+        "--log-level", choices=("debug", "info", "warning", "error"), default="info",
+        help="uvicorn's log level (default: %(default)s)",
+    )
+    command.set_defaults(handler=dashboard)

@@ -1,0 +1,211 @@
+"""dashboard._pages: the read-only pages (overview, tasks, one task, workers, schedules, audit
+log); each reads in one read-only snapshot and renders a template; never writes.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, Final
+
+from sqlalchemy import Connection
+from starlette.requests import Request
+from starlette.responses import Response
+
+from sqlalchemy_pgtask import status
+from sqlalchemy_pgtask.audit import list_audit
+from sqlalchemy_pgtask.dashboard._queries import (
+    PAGE_SIZE_MAX,
+    TaskFilters,
+    capabilities,
+    running_tasks,
+    task_page,
+    task_tree,
+    throughput,
+)
+from sqlalchemy_pgtask.errors import InvalidOptionError
+from sqlalchemy_pgtask.queues import list_queues
+from sqlalchemy_pgtask.schedule import list_schedules
+from sqlalchemy_pgtask.states import TASK_STATES
+
+if TYPE_CHECKING:
+    from sqlalchemy_pgtask.dashboard._app import Dashboard
+
+__all__ = ["audit", "overview", "schedules", "task", "tasks", "workers"]
+
+#: Messages an action's redirect may ask a page to show (never text from the URL itself).
+NOTICES: Final = {
+    "retried": "The task will run again.",
+    "cancelled": "The task was cancelled.",
+    "cancel-requested": "Cancellation was requested; its worker stops the handler soon.",
+    "not-cancelled": "The task had already finished: nothing was changed.",
+    "paused": "The queue is paused.",
+    "resumed": "The queue is resumed.",
+    "logged-in": "You are logged in: actions are enabled.",
+    "logged-out": "You are logged out.",
+}
+
+
+def _param(request: Request, name: str) -> str | None:
+    value = request.query_params.get(name, "").strip()
+    return value or None
+
+
+def _instant(request: Request, name: str) -> datetime | None:
+    """A ``datetime-local`` field (or ISO 8601 text); without an offset it is UTC."""
+    raw = _param(request, name)
+    if raw is None:
+        return None
+    try:
+        value = datetime.fromisoformat(raw)
+    except ValueError as exc:
+        raise InvalidOptionError(name, f"not a date and time: {raw[:40]!r}") from exc
+    return value if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)
+
+
+def _limit(request: Request, default: int) -> int:
+    raw = _param(request, "limit")
+    if raw is None:
+        return default
+    if not raw.isdigit() or not 1 <= int(raw) <= PAGE_SIZE_MAX:
+        raise InvalidOptionError("limit", f"must be 1 to {PAGE_SIZE_MAX}, got {raw[:20]!r}")
+    return int(raw)
+
+
+def pretty(value: Any) -> str:
+    """JSON for people: indented, non-ASCII kept (the template escapes it)."""
+    return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True, default=str)
+
+
+def _notice(request: Request) -> str | None:
+    return NOTICES.get(request.query_params.get("notice", ""))
+
+
+async def overview(dashboard: Dashboard, request: Request) -> Response:
+    def read(connection: Connection) -> dict[str, Any]:
+        return {
+            "queues": status.queue_status(connection),
+            "settings": {q.name: q for q in list_queues(connection)},
+            "throughput": throughput(connection),
+            "unroutable": status.unroutable(connection),
+            "workers": len(status.live_workers(connection)),
+        }
+
+    context = await dashboard.read(read)
+    return dashboard.render(request, "overview.html", {**context, "notice": _notice(request)})
+
+
+async def tasks(dashboard: Dashboard, request: Request) -> Response:
+    state = _param(request, "state")
+    filters = TaskFilters(
+        state=state,  # type: ignore[arg-type]  # checked by TaskFilters
+        queue=_param(request, "queue"),
+        name=_param(request, "name"),
+        since=_instant(request, "since"),
+        until=_instant(request, "until"),
+        search=_param(request, "q"),
+    )
+    limit = _limit(request, dashboard.page_size)
+    after = _param(request, "after")
+
+    def read(connection: Connection) -> Any:
+        return task_page(connection, filters, limit=limit, after=after)
+
+    page = await dashboard.read(read)
+    next_url = None
+    if page.next_cursor is not None:
+        next_url = str(request.url.include_query_params(after=page.next_cursor))
+    first_url = str(request.url.remove_query_params("after")) if after else None
+    return dashboard.render(
+        request,
+        "tasks.html",
+        {
+            "page": page,
+            "filters": filters,
+            "form": {k: request.query_params.get(k, "") for k in (
+                "state", "queue", "name", "since", "until", "q", "limit"
+            )},
+            "states": TASK_STATES,
+            "next_url": next_url,
+            "first_url": first_url,
+        },
+    )
+
+
+async def task(dashboard: Dashboard, request: Request) -> Response:
+    from sqlalchemy_pgtask.dashboard._app import NotFound
+
+    task_id = status.parse_task_id(request.path_params["task_id"])
+
+    def read(connection: Connection) -> dict[str, Any] | None:
+        detail = status.task_detail(connection, task_id)
+        if detail is None:
+            return None
+        return {
+            "task": detail,
+            "tree": task_tree(connection, detail),
+            "entries": list_audit(connection, task_id=task_id, limit=50),
+        }
+
+    context = await dashboard.read(read)
+    if context is None:
+        raise NotFound(f"no task with id {task_id}")
+    return dashboard.render(
+        request, "task.html", {**context, "pretty": pretty, "notice": _notice(request)}
+    )
+
+
+async def workers(dashboard: Dashboard, request: Request) -> Response:
+    def read(connection: Connection) -> dict[str, Any]:
+        live = status.live_workers(connection)
+        ids = [w.id for w in live]
+        running: dict[Any, list[Any]] = {}
+        for item in running_tasks(connection, ids):
+            running.setdefault(item.lease_owner, []).append(item)
+        return {
+            "workers": live,
+            "capabilities": capabilities(connection, ids),
+            "running": running,
+        }
+
+    return dashboard.render(request, "workers.html", await dashboard.read(read))
+
+
+async def schedules(dashboard: Dashboard, request: Request) -> Response:
+    def read(connection: Connection) -> dict[str, Any]:
+        return {"schedules": list_schedules(connection, upcoming=5)}
+
+    return dashboard.render(
+        request, "schedules.html", {**await dashboard.read(read), "pretty": pretty}
+    )
+
+
+async def audit(dashboard: Dashboard, request: Request) -> Response:
+    limit = _limit(request, dashboard.page_size)
+    before = _param(request, "before")
+    if before is not None and not before.isdigit():
+        raise InvalidOptionError("before", f"not an entry id: {before[:20]!r}")
+    queue, task_id = _param(request, "queue"), _param(request, "task")
+
+    def read(connection: Connection) -> list[Any]:
+        return list_audit(
+            connection, queue=queue, task_id=task_id, limit=limit + 1,
+            before_id=None if before is None else int(before),
+        )
+
+    entries = await dashboard.read(read)
+    next_url = None
+    if len(entries) > limit:
+        entries = entries[:limit]
+        next_url = str(request.url.include_query_params(before=entries[-1].id))
+    return dashboard.render(
+        request,
+        "audit.html",
+        {
+            "entries": entries,
+            "next_url": next_url,
+            "first_url": str(request.url.remove_query_params("before")) if before else None,
+            "form": {"queue": queue or "", "task": task_id or ""},
+            "pretty": pretty,
+        },
+    )

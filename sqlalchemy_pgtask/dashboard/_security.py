@@ -1,0 +1,148 @@
+"""dashboard._security: who may act (the admin token, or the host application's own hook) and
+the CSRF check on every POST; decides, never writes to the database.
+
+Three ways to be an admin, checked in this order:
+
+* the host application's ``actor_from_request(request)`` hook returns an actor (its own auth,
+  when the dashboard is mounted inside it);
+* an ``Authorization: Bearer <token>`` header carrying the admin token;
+* the session cookie the login form sets: an HMAC of the operator's name keyed by the token,
+  so the cookie proves the token was known without holding it, and changing the token logs
+  everyone out.
+
+Tokens and MACs are compared with `hmac.compare_digest` (constant time). Every POST, login
+included, must carry the CSRF token: a random value in an HttpOnly, SameSite=Strict cookie
+that the page repeats in a hidden form field (double submit). A cross-site form can send the
+cookie (SameSite aside) but cannot read it, so it cannot fill in the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+__all__ = [
+    "CSRF_COOKIE",
+    "CSRF_FIELD",
+    "SESSION_COOKIE",
+    "ActorHook",
+    "Guard",
+    "check_operator_name",
+]
+
+CSRF_COOKIE: Final = "pgtask_csrf"
+CSRF_FIELD: Final = "csrf_token"
+SESSION_COOKIE: Final = "pgtask_session"
+
+#: The host application's auth: the actor to record for this request, or None (not allowed).
+ActorHook = Callable[[Request], "str | None"]
+
+#: An operator's name at login: recorded as ``dashboard:<name>``.
+_NAME: Final = re.compile(r"[A-Za-z0-9._@+-]{1,64}")
+_SESSION_CONTEXT: Final = b"sqlalchemy-pgtask dashboard session v1\x00"
+
+
+def check_operator_name(name: str) -> str | None:
+    """The name if it is 1 to 64 letters, digits or ``._@+-``; else None."""
+    return name if _NAME.fullmatch(name) else None
+
+
+def _cookie_path(request: Request) -> str:
+    """Cookies are scoped to the dashboard's own prefix when it is mounted."""
+    root = str(request.scope.get("root_path") or "")
+    return root.rstrip("/") + "/"
+
+
+@dataclass(frozen=True)
+class Guard:
+    """The dashboard's access rules: read-only unless a token or a hook is configured."""
+
+    admin_token: str | None
+    actor_from_request: ActorHook | None
+
+    @property
+    def actions_possible(self) -> bool:
+        """Whether any request could ever act (else the dashboard is read-only)."""
+        return self.admin_token is not None or self.actor_from_request is not None
+
+    # -- the admin ------------------------------------------------------------------------
+
+    def _mac(self, name: str) -> str:
+        assert self.admin_token is not None
+        key = hashlib.sha256(_SESSION_CONTEXT + self.admin_token.encode("utf-8")).digest()
+        return hmac.new(key, name.encode("utf-8"), hashlib.sha256).hexdigest()
+
+    def token_matches(self, candidate: str) -> bool:
+        """Whether ``candidate`` is the admin token (constant time; False if none is set)."""
+        if self.admin_token is None:
+            return False
+        return hmac.compare_digest(candidate.encode("utf-8"), self.admin_token.encode("utf-8"))
+
+    def actor(self, request: Request) -> str | None:
+        """The actor this request may act as, or None: it may only look."""
+        if self.actor_from_request is not None:
+            actor = self.actor_from_request(request)
+            if actor is not None:
+                return actor
+        if self.admin_token is None:
+            return None
+        scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and self.token_matches(credentials.strip()):
+            return "dashboard:token"
+        name, _, mac = request.cookies.get(SESSION_COOKIE, "").rpartition(":")
+        if check_operator_name(name) and hmac.compare_digest(mac, self._mac(name)):
+            return f"dashboard:{name}"
+        return None
+
+    def log_in(self, request: Request, response: Response, name: str) -> None:
+        """Set the session cookie for ``name`` (the token was checked by the caller)."""
+        response.set_cookie(
+            SESSION_COOKIE, f"{name}:{self._mac(name)}", path=_cookie_path(request),
+            httponly=True, samesite="strict", secure=request.url.scheme == "https",
+        )
+
+    @staticmethod
+    def log_out(request: Request, response: Response) -> None:
+        """Remove the session cookie."""
+        response.delete_cookie(
+            SESSION_COOKIE, path=_cookie_path(request), httponly=True, samesite="strict",
+            secure=request.url.scheme == "https",
+        )
+
+    # -- CSRF -------------------------------------------------------------------------------
+
+    @staticmethod
+    def csrf_token(request: Request) -> str:
+        """The request's CSRF token: the cookie's, or a new one `set_csrf_cookie` will send."""
+        token = request.cookies.get(CSRF_COOKIE)
+        if token is None or not re.fullmatch(r"[A-Za-z0-9_-]{43}", token):
+            token = request.state.new_csrf_token = getattr(
+                request.state, "new_csrf_token", None
+            ) or secrets.token_urlsafe(32)
+        return token
+
+    @staticmethod
+    def set_csrf_cookie(request: Request, response: Response) -> None:
+        """Send the CSRF cookie if this request minted a new token."""
+        token = getattr(request.state, "new_csrf_token", None)
+        if token is not None:
+            response.set_cookie(
+                CSRF_COOKIE, token, path=_cookie_path(request), httponly=True,
+                samesite="strict", secure=request.url.scheme == "https",
+            )
+
+    @staticmethod
+    def csrf_valid(request: Request, submitted: object) -> bool:
+        """Whether the form's token equals the cookie's (constant time)."""
+        cookie = request.cookies.get(CSRF_COOKIE)
+        if not cookie or not isinstance(submitted, str) or not submitted:
+            return False
+        return hmac.compare_digest(cookie.encode("utf-8"), submitted.encode("utf-8"))

@@ -1,0 +1,272 @@
+"""worker._observer: what the worker's loops report as they go, to traces and metrics; a hook
+never fails the loop that calls it.
+
+The loops call the hooks of one `Observer` (the attempt book carries it, so every loop that
+shares the book reaches it). The default, `NO_OBSERVER`, does nothing: with OpenTelemetry not
+installed and no metrics port, a hook is one method call that returns at once. A hook that
+fails (a broken exporter) is logged and forgotten; the task's work never depends on it.
+
+`WorkerObserver` also answers the probes: ``/healthz`` (the process runs and none of the
+worker's loops has ended) and ``/readyz`` (registered, listening, reaching the database, and
+not draining).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Final
+
+from sqlalchemy_pgtask import telemetry
+
+if TYPE_CHECKING:
+    from sqlalchemy_pgtask.outcome import Outcome
+    from sqlalchemy_pgtask.worker._attempts import ActiveAttempt
+    from sqlalchemy_pgtask.worker._http import ProbeServer, Response
+    from sqlalchemy_pgtask.worker._metrics import Metrics
+    from sqlalchemy_pgtask.worker._runtime import Worker
+
+__all__ = ["NO_OBSERVER", "Observer", "WorkerObserver", "describe_outcome", "observe"]
+
+logger = logging.getLogger("sqlalchemy_pgtask.worker")
+
+
+class Observer:
+    """The hooks; this base does nothing (`NO_OBSERVER`)."""
+
+    def attempt_started(self, attempt: ActiveAttempt) -> None:
+        """A handler is about to run (called in the attempt's own asyncio task)."""
+
+    def attempt_finished(
+        self, attempt: ActiveAttempt, outcome: Outcome | None, raised: BaseException | None
+    ) -> None:
+        """The handler ended and ``outcome`` was decided (same task as `attempt_started`)."""
+
+    def claimed(self, count: int) -> None:
+        """A claim statement took ``count`` tasks."""
+
+    def leases_renewed(self, count: int) -> None:
+        """A renewal extended ``count`` leases."""
+
+    def lease_lost(self, reason: str) -> None:
+        """A handler was stopped for its lease (``lost`` or ``expiring``)."""
+
+    def connected(self, owner: object) -> None:
+        """``owner`` (a held connection, the listener) has a connection; again after a loss."""
+
+    async def start(self) -> None:
+        """Before the worker starts: open the probe server."""
+
+    async def stop(self) -> None:
+        """When the worker has stopped: close it."""
+
+
+NO_OBSERVER: Final = Observer()
+
+
+def describe_outcome(attempt: ActiveAttempt, outcome: Outcome | None) -> tuple[str, bool]:
+    """What the attempt led to, as the logs say it, and whether that is an error.
+
+    ``succeeded``, ``retrying``, ``failed``, ``cancelled``, ``released`` (handed back: a
+    shutdown, a lease about to expire), ``suspended`` (a durable sleep or wait) or
+    ``lease_lost`` (nothing was written).
+    """
+    if attempt.suspended:
+        return "suspended", False
+    if outcome is None:
+        return "lease_lost", False
+    if outcome.kind == "complete":
+        return "succeeded", False
+    if outcome.kind == "release":
+        return "released", False
+    if outcome.error_kind == "cancelled":
+        return "cancelled", False
+    ctx = attempt.ctx
+    # The write retries only while failed attempts remain (as the executor's log says).
+    budget_left = ctx.max_attempts is None or ctx.failed_attempts + 1 < ctx.max_attempts
+    return ("retrying" if outcome.delay is not None and budget_left else "failed"), True
+
+
+class WorkerObserver(Observer):
+    """Traces attempts and steps (when OpenTelemetry is installed) and keeps the metrics and
+    the probe server (when the worker has a metrics port)."""
+
+    def __init__(self, worker: Worker, *, tracing: bool, metrics: Metrics | None) -> None:
+        self._worker = worker
+        self._tracing = tracing
+        self.metrics = metrics
+        self._spans: dict[ActiveAttempt, telemetry.AttemptSpan] = {}
+        self._owners: set[int] = set()
+        #: Whether the last backlog sample reached the database (None: none yet).
+        self.database_reachable: bool | None = None
+        self.server: ProbeServer | None = None
+        self._sampler: asyncio.Task[None] | None = None
+        self._failed_once = False
+
+    def _failed(self, hook: str) -> None:
+        if not self._failed_once:  # once: a broken exporter would otherwise flood the log
+            self._failed_once = True
+            logger.exception("telemetry hook %s failed; the worker goes on without it", hook)
+
+    # -- hooks ---------------------------------------------------------------------------
+
+    def attempt_started(self, attempt: ActiveAttempt) -> None:
+        try:
+            if self._tracing and telemetry.ENABLED and telemetry.recording():
+                self._spans[attempt] = telemetry.start_attempt_span(attempt.ctx)
+            if self.metrics is not None:
+                self.metrics.started.labels(attempt.ctx.queue, attempt.ctx.name).inc()
+        except Exception:
+            self._failed("attempt_started")
+
+    def attempt_finished(
+        self, attempt: ActiveAttempt, outcome: Outcome | None, raised: BaseException | None
+    ) -> None:
+        try:
+            label, error = describe_outcome(attempt, outcome)
+            span = self._spans.pop(attempt, None)
+            if span is not None:
+                span.end(label, raised, error)
+            metrics = self.metrics
+            if metrics is None:
+                return
+            queue, name = attempt.ctx.queue, attempt.ctx.name
+            metrics.duration.labels(queue, name, label).observe(
+                time.monotonic() - attempt.started_at
+            )
+            if label == "succeeded":
+                metrics.succeeded.labels(queue, name).inc()
+            elif outcome is not None and label in ("failed", "retrying"):
+                counter = metrics.failed if label == "failed" else metrics.retried
+                counter.labels(queue, name, outcome.error_kind or "unknown").inc()
+        except Exception:
+            self._failed("attempt_finished")
+
+    def claimed(self, count: int) -> None:
+        if self.metrics is not None:
+            self.metrics.claim_batch.observe(count)
+
+    def leases_renewed(self, count: int) -> None:
+        if self.metrics is not None:
+            self.metrics.renewals.inc(count)
+
+    def lease_lost(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.losses.labels(reason).inc()
+
+    def connected(self, owner: object) -> None:
+        key = id(owner)  # owners live as long as the worker: their ids stay theirs
+        if key not in self._owners:
+            self._owners.add(key)
+        elif self.metrics is not None:
+            self.metrics.reconnects.inc()
+
+    # -- probes --------------------------------------------------------------------------
+
+    def health(self) -> tuple[bool, str]:
+        """Alive: no loop of the worker has ended (while it is not stopping)."""
+        worker = self._worker
+        if worker._crashed is not None:
+            return False, f"the {worker._crashed[0]} loop failed"
+        if worker._stopping.is_set():
+            return True, "stopping"
+        ended = sorted(name for name, loop in worker._loops.items() if loop.done())
+        if ended:
+            return False, f"loop ended: {', '.join(ended)}"
+        return True, "ok" if worker._ready.is_set() else "starting"
+
+    def readiness(self) -> tuple[bool, str]:
+        """Ready: registered with its loops running, listening, reaching the database."""
+        alive, why = self.health()
+        worker = self._worker
+        if not alive:
+            return False, why
+        if worker._stopping.is_set() or worker.draining:
+            return False, "draining"
+        if not worker._ready.is_set():
+            return False, "not registered yet"
+        if not worker._listener.listening.is_set():
+            return False, "not listening (reconnecting)"
+        if self.database_reachable is False:
+            return False, "database unreachable"
+        return True, "ready"
+
+    def _probe(self, ready: bool) -> Response:
+        from sqlalchemy_pgtask.worker._http import text
+
+        ok, why = self.readiness() if ready else self.health()
+        return text(200 if ok else 503, why)
+
+    def _scrape(self) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        assert self.metrics is not None
+        return 200, CONTENT_TYPE_LATEST, generate_latest(self.metrics.registry)
+
+    def _reachable(self, reached: bool) -> None:
+        self.database_reachable = reached
+
+    async def start(self) -> None:
+        options = self._worker.options
+        if self.metrics is None or options.metrics_port is None:
+            return
+        from sqlalchemy_pgtask.worker._http import ProbeServer
+        from sqlalchemy_pgtask.worker._metrics import sample_backlog
+
+        self.server = ProbeServer(
+            options.metrics_host, options.metrics_port,
+            {
+                "/metrics": self._scrape,
+                "/healthz": lambda: self._probe(False),
+                "/readyz": lambda: self._probe(True),
+            },
+        )
+        await self.server.start()
+        logger.info(
+            "worker %s: metrics and probes on http://%s:%d/metrics (/healthz, /readyz)",
+            self._worker.id, self.server.host, self.server.port,
+        )
+
+        metrics = self.metrics
+
+        async def sample_when_ready() -> None:
+            await self._worker._ready.wait()
+            await sample_backlog(
+                self._worker._engine, self._worker.queues, metrics,
+                interval=options.metrics_interval, connected=self._reachable,
+            )
+
+        self._sampler = asyncio.create_task(sample_when_ready(), name="pgtask-metrics-sampler")
+
+    async def stop(self) -> None:
+        sampler, self._sampler = self._sampler, None
+        if sampler is not None:
+            sampler.cancel()
+            with contextlib.suppress(BaseException):
+                await sampler
+        if self.server is not None:
+            await self.server.close()
+
+
+def observe(worker: Worker) -> Observer:
+    """The observer ``worker`` needs, hooked into its loops; `NO_OBSERVER` if none."""
+    options = worker.options
+    tracing = telemetry.ENABLED
+    if not tracing and options.metrics_port is None:
+        return NO_OBSERVER
+    metrics = None
+    if options.metrics_port is not None:
+        from sqlalchemy_pgtask.worker._metrics import Metrics
+
+        book = worker._book
+        metrics = Metrics(concurrency=options.concurrency, running=lambda: book.unsettled)
+    if tracing:
+        telemetry.load_provider()
+    observer = WorkerObserver(worker, tracing=tracing, metrics=metrics)
+    worker._book.observer = observer
+    worker._listener.observer = observer
+    for connection in worker._connections.values():
+        connection.observer = observer
+    return observer
