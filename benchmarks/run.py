@@ -623,15 +623,21 @@ def baseline_claim_complete(bench: Bench, batch: int = 100) -> dict[str, Any]:
 
 
 def add_future(bench: Bench, count: int, name: str) -> None:
-    """``count`` pending tasks for ``name`` due in an hour (one INSERT), then ANALYZE."""
+    """``count`` pending tasks for ``name`` due in an hour, then VACUUM ANALYZE (as `reset`
+    leaves the table for the workloads without them, so autovacuum does not start mid-run).
+
+    Inserted 20,000 per transaction: a longer one would be flagged as holding the horizon.
+    """
     with psycopg.connect(bench.conninfo, autocommit=True) as conn:
-        conn.execute(
-            "INSERT INTO pgtask.tasks (queue, name, payload, run_at) "
-            "SELECT %s, %s, jsonb_build_object('future', g), "
-            "statement_timestamp() + interval '1 hour' FROM generate_series(1, %s) AS g",
-            (QUEUE, name, count),
-        )
-        conn.execute("ANALYZE pgtask.tasks")
+        for first in range(0, count, 20_000):
+            conn.execute(
+                "INSERT INTO pgtask.tasks (queue, name, payload, run_at) "
+                "SELECT %s, %s, jsonb_build_object('future', g), "
+                "statement_timestamp() + interval '1 hour' "
+                "FROM generate_series(%s::int, %s::int) AS g",
+                (QUEUE, name, first + 1, min(count, first + 20_000)),
+            )
+        conn.execute("VACUUM ANALYZE pgtask.tasks")
 
 
 def drain(

@@ -133,7 +133,7 @@ def pending(table: FromClause = tasks) -> ColumnElement[bool]:
 
 def capabilities_cte() -> CTE:
     rows = arrays(
-        "cap",
+        "capability",
         ("cap_queues", "queue", Text()),
         ("cap_names", "name", Text()),
         ("cap_versions", "version", Integer()),
@@ -145,7 +145,7 @@ def capabilities_cte() -> CTE:
         ("retry_maxes", "retry_max_seconds", Double()),
         ("retry_jitters", "retry_jitter", Boolean()),
     )
-    return select(rows).cte("caps")
+    return select(rows).cte("capabilities")
 
 
 def served_cte(*, governed: bool) -> CTE:
@@ -200,44 +200,20 @@ CLAIMED_COLUMNS: Final = (
 )
 
 
-def _priorities(served: CTE) -> CTE:
-    """The distinct priorities of each served queue's pending tasks, highest first.
-
-    One ``max`` probe of ``ix_tasks_claim`` per priority: the candidates then read each
-    priority's due entries as a range that ends at the first future one. A scan over the
-    whole queue would walk every future entry whenever a claim comes up short (a skip scan
-    PostgreSQL 15 does not do by itself).
-    """
-    def highest(below: ColumnElement[Any] | None, queue: ColumnElement[Any]) -> Any:
-        p = alias(tasks, "p")
-        probe = select(func.max(p.c.priority)).where(pending(p), p.c.queue == queue)
-        if below is not None:
-            probe = probe.where(p.c.priority < below)
-        return probe.scalar_subquery()
-
-    first = select(served.c.name, served.c.ord, highest(None, served.c.name).label("prio"))
-    levels = first.cte("lv", recursive=True)
-    following = select(
-        levels.c.name, levels.c.ord, highest(levels.c.prio, levels.c.name)
-    ).where(levels.c.prio.is_not(None))
-    return levels.union_all(following)
-
-
-def _plain_candidates(capabilities: CTE, levels: CTE, limit: ColumnElement[Any]) -> FromClause:
+def _plain_candidates(capabilities: CTE, served: CTE, limit: ColumnElement[Any]) -> FromClause:
     c = _CANDIDATE
     return (
-        select(c.c.id, c.c.run_at)
+        select(c.c.id, c.c.priority, c.c.run_at)
         .where(
             pending(c),
-            c.c.queue == levels.c.name,
-            c.c.priority == levels.c.prio,
+            c.c.queue == served.c.name,
             c.c.run_at <= NOW,
             capable(capabilities, c),
         )
-        .order_by(c.c.run_at, c.c.id)
+        .order_by(c.c.priority.desc(), c.c.run_at, c.c.id)
         .limit(limit)
         .with_for_update(skip_locked=True, key_share=True)  # FOR NO KEY UPDATE SKIP LOCKED
-        .lateral("cand")
+        .lateral("candidate")
     )
 
 
@@ -252,9 +228,9 @@ def _claim(*, governed: bool) -> Select[Any]:
         candidate = _governed.candidates(capabilities, queue_order, pending, capable)
         order: tuple[Any, ...] = (candidate.c.rank, candidate.c.prio.desc())
     else:
-        queue_order = _priorities(served)
-        candidate = _plain_candidates(capabilities, queue_order, limit)
-        order = (queue_order.c.prio.desc(),)
+        queue_order = served
+        candidate = _plain_candidates(capabilities, served, limit)
+        order = (candidate.c.priority.desc(),)
     picked = (
         select(candidate.c.id)
         .select_from(queue_order.join(candidate, true()))
@@ -299,7 +275,7 @@ def _claim(*, governed: bool) -> Select[Any]:
             time_limit.label("time_limit"),
             (NOW + seconds(time_limit)).label("deadline_at"),
         )
-        .cte("cl")
+        .cte("claimed")
     )
     recorded = insert(attempts).from_select(
         ["task_id", "attempt", "lease_token", "worker_id", "started_at", "deadline_at"],

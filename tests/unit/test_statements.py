@@ -132,7 +132,7 @@ def test_claim_skips_rows_locked_by_other_claimers_without_blocking_foreign_keys
 def test_claim_filters_pending_with_a_literal_so_the_partial_claim_index_matches() -> None:
     text = sql("CLAIM")
     assert "c.state = 'pending'" in text
-    assert "state = %(" not in text.split("cl AS")[0]  # no bound state in the pick
+    assert "state = %(" not in text.split("claimed AS")[0]  # no bound state in the pick
 
 
 def test_claim_updates_through_any_array_of_the_picked_ids() -> None:
@@ -140,34 +140,24 @@ def test_claim_updates_through_any_array_of_the_picked_ids() -> None:
 
 
 def test_claim_probes_each_served_queue_by_priority_then_run_at_within_the_limit() -> None:
-    picked = sql("CLAIM").split("picked AS")[1].split("cl AS")[0]
+    picked = sql("CLAIM").split("picked AS")[1].split("claimed AS")[0]
     assert "JOIN LATERAL (SELECT" in picked  # one index probe per queue, in one statement
     assert "FROM pgtask.tasks AS c WHERE" in picked
-    # One range per (queue, priority): it ends at the first future entry.
-    assert "c.queue = lv.name AND c.priority = lv.prio" in picked
+    assert "c.queue = served.name" in picked
     assert "c.run_at <= pgtask.now()" in picked
     assert re.search(
-        r"ORDER BY c\.run_at, c\.id "
+        r"ORDER BY c\.priority DESC, c\.run_at, c\.id "
         r"LIMIT %\(limit\)s::INTEGER FOR NO KEY UPDATE SKIP LOCKED",
         picked,
     )
     # Earlier queues of the worker first, then the same order across queues.
     assert re.search(
-        r"ORDER BY lv\.ord, lv\.prio DESC, cand\.run_at, cand\.id "
+        r"ORDER BY served\.ord, candidate\.priority DESC, candidate\.run_at, candidate\.id "
         r"LIMIT %\(limit\)s",
         picked,
     )
-    assert "(c.name, c.version) IN (SELECT caps.name" in picked
-    assert "WHERE c.queue = caps.queue" in picked
-
-
-def test_claim_finds_each_queues_pending_priorities_one_probe_at_a_time() -> None:
-    levels = sql("CLAIM").split("lv(name, ord, prio) AS")[1].split("picked AS")[0]
-    assert "WITH RECURSIVE" in sql("CLAIM")
-    assert "(SELECT max(p.priority)" in levels
-    assert "p.queue = served.name" in levels
-    assert "p.priority < lv.prio" in levels
-    assert "WHERE lv.prio IS NOT NULL" in levels
+    assert "(c.name, c.version) IN (SELECT capabilities.name" in picked
+    assert "WHERE c.queue = capabilities.queue" in picked
 
 
 def test_claim_skips_paused_and_governed_queues() -> None:
@@ -195,7 +185,7 @@ def test_claim_sets_the_lease_expiry_from_database_time() -> None:
 
 
 def test_claim_fills_an_unset_max_attempts_from_the_capability() -> None:
-    assert "max_attempts=coalesce(t.max_attempts, caps.max_attempts)" in sql("CLAIM")
+    assert "max_attempts=coalesce(t.max_attempts, capabilities.max_attempts)" in sql("CLAIM")
 
 
 @pytest.mark.parametrize("name", sorted(set(WORKER_STATEMENTS) - LONG_STATEMENTS))
