@@ -492,43 +492,44 @@ def baseline_insert(bench: Bench) -> dict[str, Any]:
     }
 
 
-def enqueue_single(bench: Bench) -> dict[str, Any]:
-    """`enqueue` + commit per task on one held connection: the raw loop's shape."""
+def _single_loop(bench: Bench, one: Callable[[int], None]) -> dict[str, Any]:
+    """Warm up, then time ``bench.config.single`` calls of ``one`` (each enqueues and commits)."""
     reset(bench)
     n = bench.config.single
-    with bench.engine.connect() as connection:
-        for i in range(bench.config.warmup):
-            enqueue(connection, "noop", {"i": -i})
-            connection.commit()
-        start = time.perf_counter()
-        cpu0 = time.process_time()
-        for i in range(n):
-            enqueue(connection, "noop", {"i": i})
-            connection.commit()
-        cpu = time.process_time() - cpu0
-        seconds = time.perf_counter() - start
+    for i in range(bench.config.warmup):
+        one(-i)
+    start = time.perf_counter()
+    cpu0 = time.process_time()
+    for i in range(n):
+        one(i)
+    cpu = time.process_time() - cpu0
+    seconds = time.perf_counter() - start
     return {
         "value": n / seconds, "unit": "tasks/s", "tasks": n, "seconds": seconds,
         "client_cpu_us_per_task": cpu / n * 1e6,
     }
 
 
+def enqueue_single(bench: Bench) -> dict[str, Any]:
+    """`enqueue` + commit per task on one held connection: the raw loop's shape."""
+    with bench.engine.connect() as connection:
+
+        def one(i: int) -> None:
+            enqueue(connection, "noop", {"i": i})
+            connection.commit()
+
+        return _single_loop(bench, one)
+
+
 def enqueue_single_session(bench: Bench) -> dict[str, Any]:
     """One `enqueue` per new `Session` (pool checkout, transaction, commit, close)."""
-    reset(bench)
-    n = bench.config.single
-    engine = bench.engine
-    for i in range(bench.config.warmup):
-        with Session(engine) as session:
-            enqueue(session, "noop", {"i": -i})
-            session.commit()
-    start = time.perf_counter()
-    for i in range(n):
-        with Session(engine) as session:
+
+    def one(i: int) -> None:
+        with Session(bench.engine) as session:
             enqueue(session, "noop", {"i": i})
             session.commit()
-    seconds = time.perf_counter() - start
-    return {"value": n / seconds, "unit": "tasks/s", "tasks": n, "seconds": seconds}
+
+    return _single_loop(bench, one)
 
 
 def enqueue_many_workload(bench: Bench) -> dict[str, Any]:

@@ -3,13 +3,15 @@
 A batch of `COPY_MIN_ROWS` or more validated rows without idempotency keys or delays is
 copied instead of inserted: no parameter arrays to build, the same transaction, the same
 insert triggers (capacity admission, the ready notification). Keys need ``ON CONFLICT`` and
-delays need the database's clock, so those batches keep the statement; so does a driver
-other than psycopg.
+delays need the database's clock added to them, so those batches keep the statement; so does
+a driver other than psycopg. Rows without ``run_at`` get ``pgtask.now()``, read in the same
+transaction just before the ``COPY``, as the statement's ``run_at`` would (the column default is
+``statement_timestamp()``, which a test's moved database clock does not move).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import psycopg
@@ -30,35 +32,30 @@ _COPY_TASKS: Final = (
     "COPY pgtask.tasks (id, queue, name, version, payload, headers, priority, max_attempts, "
     "timeout_seconds, run_at) FROM STDIN"
 )
-#: Without ``run_at``: its default, database time, applies.
-_COPY_TASKS_NOW: Final = _COPY_TASKS.replace(", run_at)", ")")
+_NOW: Final = "SELECT pgtask.now()"
 
 Rows = list[tuple[Any, ...]]
 
 
 def copy_rows(rows: Sequence[TaskRow]) -> Rows | None:
-    """The rows as ``COPY`` rows, or None when the batch needs the statement: too small, a
-    delay, or explicit and default ``run_at`` mixed (one ``COPY`` has one column list)."""
+    """The rows as ``COPY`` rows (``run_at`` last, None for database time), or None when the
+    batch needs the statement: too small, or a delay."""
     if len(rows) < COPY_MIN_ROWS or any(row.delay for row in rows):
         return None
-    explicit = [row.run_at is not None for row in rows]
-    if any(explicit) and not all(explicit):
-        return None
-    if explicit[0]:
-        return [
-            (r.id, r.queue, r.name, r.version, r.payload, r.headers, r.priority,
-             r.max_attempts, r.timeout, r.run_at)
-            for r in rows
-        ]
     return [
         (r.id, r.queue, r.name, r.version, r.payload, r.headers, r.priority, r.max_attempts,
-         r.timeout)
+         r.timeout, r.run_at)
         for r in rows
     ]
 
 
-def _command(rows: Rows) -> str:
-    return _COPY_TASKS if len(rows[0]) == 10 else _COPY_TASKS_NOW
+def _timed(rows: Rows, now: Any) -> Iterator[tuple[Any, ...]]:
+    for row in rows:
+        yield row if row[-1] is not None else (*row[:-1], now)
+
+
+def _needs_now(rows: Rows) -> bool:
+    return any(row[-1] is None for row in rows)
 
 
 def copy_rows_sync(connection: Connection, rows: Rows) -> bool:
@@ -69,13 +66,14 @@ def copy_rows_sync(connection: Connection, rows: Rows) -> bool:
         return False
     if not connection.in_transaction():
         connection.begin()  # what a statement's autobegin would have done
-    command = _command(rows)
     try:
-        with driver.cursor() as cursor, cursor.copy(command) as copy:
-            for row in rows:
-                copy.write_row(row)
+        with driver.cursor() as cursor:
+            now = cursor.execute(_NOW).fetchone()[0] if _needs_now(rows) else None  # type: ignore[index]
+            with cursor.copy(_COPY_TASKS) as copy:
+                for row in _timed(rows, now):
+                    copy.write_row(row)
     except psycopg.Error as exc:
-        raise DBAPIError.instance(command, None, exc, psycopg.Error) from exc
+        raise DBAPIError.instance(_COPY_TASKS, None, exc, psycopg.Error) from exc
     return True
 
 
@@ -86,11 +84,14 @@ async def copy_rows_async(connection: AsyncConnection, rows: Rows) -> bool:
         return False
     if not connection.in_transaction():
         await connection.begin()
-    command = _command(rows)
     try:
-        async with driver.cursor() as cursor, cursor.copy(command) as copy:
-            for row in rows:
-                await copy.write_row(row)
+        async with driver.cursor() as cursor:
+            now = None
+            if _needs_now(rows):
+                now = (await (await cursor.execute(_NOW)).fetchone())[0]  # type: ignore[index]
+            async with cursor.copy(_COPY_TASKS) as copy:
+                for row in _timed(rows, now):
+                    await copy.write_row(row)
     except psycopg.Error as exc:
-        raise DBAPIError.instance(command, None, exc, psycopg.Error) from exc
+        raise DBAPIError.instance(_COPY_TASKS, None, exc, psycopg.Error) from exc
     return True

@@ -148,6 +148,13 @@ def _placed(exc: ValidationError, prefix: str) -> ValidationError:
 def _validated(
     request: EnqueueRequest, task_id: uuid.UUID, carrier: Mapping[str, str] | None
 ) -> TaskRow:
+    # The order of the checks is part of the contract: a request with several bad fields names
+    # the first of name, queue, version, priority, max_attempts, key, run_at/delay, payload,
+    # headers, timeout.
+    name = check_task_name(request.name)
+    queue = check_queue_name(request.queue)
+    version = check_int_range("version", request.version, 1, INT4_MAX)
+    priority = check_int_range("priority", request.priority, INT2_MIN, INT2_MAX)
     max_attempts = request.max_attempts
     if max_attempts is not None:
         max_attempts = check_int_range("max_attempts", max_attempts, 1, INT4_MAX)
@@ -159,18 +166,20 @@ def _validated(
         if delay is not None:
             raise InvalidOptionError("run_at", "give either run_at or delay, not both")
         run_at = check_run_at("run_at", run_at)
+    seconds = 0.0 if delay is None else check_delay("delay", delay)
+    payload = dump_json("payload", request.payload, PAYLOAD_MAX_BYTES)
     headers = telemetry.with_trace_context(request.headers, carrier)
     return TaskRow(
         id=task_id,
-        queue=check_queue_name(request.queue),
-        name=check_task_name(request.name),
-        version=check_int_range("version", request.version, 1, INT4_MAX),
-        payload=dump_json("payload", request.payload, PAYLOAD_MAX_BYTES),
+        queue=queue,
+        name=name,
+        version=version,
+        payload=payload,
         headers="{}" if headers is None else dump_headers(headers),
-        priority=check_int_range("priority", request.priority, INT2_MIN, INT2_MAX),
+        priority=priority,
         max_attempts=max_attempts,
         run_at=run_at,
-        delay=0.0 if delay is None else check_delay("delay", delay),
+        delay=seconds,
         timeout=None if request.timeout is None else check_time_limit("timeout", request.timeout),
         key=key,
     )

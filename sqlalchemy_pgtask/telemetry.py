@@ -41,7 +41,6 @@ __all__ = [
     "ENABLED",
     "STEP_SPAN",
     "AttemptSpan",
-    "inject_trace_context",
     "load_provider",
     "recording",
     "run_step",
@@ -126,11 +125,6 @@ def with_trace_context(
     if any(key in headers for key in carrier):
         return headers
     return {**headers, **carrier}
-
-
-def inject_trace_context(headers: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-    """``headers`` plus the current trace context (`trace_carrier`, `with_trace_context`)."""
-    return with_trace_context(headers, trace_carrier())
 
 
 class AttemptSpan:

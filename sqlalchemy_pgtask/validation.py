@@ -321,14 +321,20 @@ def dump_json(field: str, value: object, max_bytes: int) -> str:
         where = _find_nul(value, field)
         if where is not None:
             raise PayloadError(field, f"contains a NUL character at {where}")
+    surrogate: UnicodeEncodeError | None = None
     try:
         size = len(text.encode("utf-8"))
     except UnicodeEncodeError as exc:
-        raise PayloadError(field, "contains an unpaired surrogate character") from exc
+        surrogate = exc
+        size = len(text.encode("utf-8", "surrogatepass"))
     if _FLOAT_EXPONENT.search(text):
         size = jsonb_text_size(text)
+    # Too large is reported before an unpaired surrogate: the size is the first thing a caller
+    # with a bad payload needs to hear about, and it was reported first before the fast path.
     if size > max_bytes:
         raise PayloadError(field, f"is {size} bytes as jsonb text; the limit is {max_bytes}")
+    if surrogate is not None:
+        raise PayloadError(field, "contains an unpaired surrogate character") from surrogate
     return text
 
 

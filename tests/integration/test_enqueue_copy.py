@@ -9,7 +9,7 @@ workers are woken by the same notification, and every value arrives exactly as v
 from __future__ import annotations
 
 import uuid
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 import psycopg
 import pytest
@@ -26,6 +26,7 @@ from sqlalchemy_pgtask import (
     enqueue_many_async,
 )
 from sqlalchemy_pgtask._enqueue_copy import COPY_MIN_ROWS
+from sqlalchemy_pgtask.testing import DatabaseClock
 from tests.support.engines import statements_of
 from tests.support.urls import libpq_url
 from tests.support.waiting import PATIENCE
@@ -100,18 +101,40 @@ def test_delays_and_idempotency_keys_keep_the_statement(
     assert len(sent) == 1
 
 
-def test_explicit_run_at_is_copied_and_mixed_run_at_keeps_the_statement(
-    pgtask_engine: Engine,
-) -> None:
+def test_explicit_and_default_run_at_are_copied_together(pgtask_engine: Engine) -> None:
     later = datetime(2031, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
     sent = statements_of(pgtask_engine)
     with Session(pgtask_engine) as session:
         copied = enqueue_many(session, requests(COPY_MIN_ROWS, run_at=later))
-        assert sent == []
-        enqueue_many(session, requests(COPY_MIN_ROWS - 1) + requests(1, run_at=later))
-        assert len(sent) == 1
+        mixed = enqueue_many(session, requests(COPY_MIN_ROWS - 1) + requests(1, run_at=later))
+        assert sent == []  # both copied
+        now = session.scalar(select(func.pgtask.now()))
         session.commit()
         assert session.get(Task, copied[-1].id).run_at == later  # type: ignore[union-attr]
+        assert session.get(Task, mixed[-1].id).run_at == later  # type: ignore[union-attr]
+        default = session.get(Task, mixed[0].id).run_at  # type: ignore[union-attr]
+    assert default is not None
+    assert now is not None
+    assert default <= now
+
+
+def test_copied_tasks_follow_the_moved_database_clock(
+    pgtask_engine: Engine, pgtask_clock: DatabaseClock
+) -> None:
+    # Like the statement's run_at, a copied task's is pgtask.now(), not the column default.
+    pgtask_clock.advance(3 * 86_400)
+    with Session(pgtask_engine) as session:
+        copied = enqueue_many(session, requests(COPY_MIN_ROWS))
+        inserted = enqueue_many(session, requests(1))
+        session.commit()
+        run_ats = {
+            task_id: session.get(Task, task_id).run_at  # type: ignore[union-attr]
+            for task_id in (copied[0].id, inserted[0].id)
+        }
+    real = datetime.now(timezone.utc)
+    copied_at, inserted_at = run_ats[copied[0].id], run_ats[inserted[0].id]
+    assert copied_at > real + timedelta(days=2)
+    assert abs(copied_at - inserted_at) < timedelta(minutes=5)
 
 
 def test_a_copied_batch_rolls_back_with_the_callers_transaction(pgtask_engine: Engine) -> None:

@@ -12,7 +12,13 @@ from typing import Any
 
 import pytest
 
-from sqlalchemy_pgtask.errors import InvalidNameError, InvalidOptionError, PayloadError
+from sqlalchemy_pgtask._enqueue_plan import EnqueueRequest, new_ids, validate_request
+from sqlalchemy_pgtask.errors import (
+    InvalidNameError,
+    InvalidOptionError,
+    PayloadError,
+    ValidationError,
+)
 from sqlalchemy_pgtask.validation import (
     DURATION_MAX_SECONDS,
     HEADERS_MAX_BYTES,
@@ -268,3 +274,39 @@ def test_wait_timeouts_and_poll_intervals() -> None:
     for wrong in (0, -1, math.nan, math.inf, "1", None, False):
         with pytest.raises(InvalidOptionError):
             check_poll_interval("poll_interval", wrong)
+
+
+def test_an_oversize_payload_with_an_unpaired_surrogate_is_reported_as_too_large() -> None:
+    # The size is checked before the encoding: both are wrong, and the size is named.
+    with pytest.raises(PayloadError, match="bytes as jsonb text; the limit is"):
+        dump_json("payload", "\udc80" + "x" * PAYLOAD_MAX_BYTES, PAYLOAD_MAX_BYTES)
+    with pytest.raises(PayloadError, match="unpaired surrogate"):
+        dump_json("payload", "\udc80" + "x" * 10, PAYLOAD_MAX_BYTES)
+
+
+#: Each request's field and every field checked after it are bad; the first one must be named.
+_BAD_FROM: list[tuple[str, dict[str, Any]]] = [
+    ("name", {"name": ""}),
+    ("queue", {"queue": ""}),
+    ("version", {"version": 0}),
+    ("priority", {"priority": 70_000}),
+    ("max_attempts", {"max_attempts": 0}),
+    ("idempotency_key", {"idempotency_key": "a\x00b"}),
+    ("run_at", {"run_at": datetime(2030, 1, 1, tzinfo=timezone.utc), "delay": 1.0}),
+    ("delay", {"delay": -1.0}),
+    ("payload", {"payload": object()}),
+    ("headers", {"headers": ["not", "a", "mapping"]}),
+    ("timeout", {"timeout": -1.0}),
+]
+
+
+@pytest.mark.parametrize("first", range(len(_BAD_FROM)), ids=[f for f, _ in _BAD_FROM])
+def test_a_request_with_several_bad_fields_names_the_first_in_the_documented_order(
+    first: int,
+) -> None:
+    fields: dict[str, Any] = {"name": "ok"}
+    for _, bad in _BAD_FROM[first:]:
+        fields.update(bad)
+    with pytest.raises(ValidationError) as caught:
+        validate_request(EnqueueRequest(**fields), new_ids(1)[0], prefix="[3].")
+    assert caught.value.field == f"[3].{_BAD_FROM[first][0]}"
