@@ -4,14 +4,14 @@ A batch of `COPY_MIN_ROWS` or more validated rows without idempotency keys or de
 copied instead of inserted: no parameter arrays to build, the same transaction, the same
 insert triggers (capacity admission, the ready notification). Keys need ``ON CONFLICT`` and
 delays need the database's clock added to them, so those batches keep the statement; so does
-a driver other than psycopg. Rows without ``run_at`` get ``pgtask.now()``, read in the same
-transaction just before the ``COPY``, as the statement's ``run_at`` would (the column default is
-``statement_timestamp()``, which a test's moved database clock does not move).
+a driver other than psycopg. Rows without ``run_at`` get ``pgtask.now()``, as the statement's
+would: the column default (``statement_timestamp()``) when that is the same, else (a test
+moved the database clock) the value read just before the ``COPY``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import psycopg
@@ -28,37 +28,35 @@ __all__ = ["COPY_MIN_ROWS", "copy_rows", "copy_rows_async", "copy_rows_sync"]
 #: ``COPY``'s extra protocol messages.
 COPY_MIN_ROWS: Final = 100
 
-_COPY_TASKS: Final = (
-    "COPY pgtask.tasks (id, queue, name, version, payload, headers, priority, max_attempts, "
-    "timeout_seconds, run_at) FROM STDIN"
+_COLUMNS: Final = (
+    "id, queue, name, version, payload, headers, priority, max_attempts, timeout_seconds"
 )
-_NOW: Final = "SELECT pgtask.now()"
+#: How many leading `TaskRow` fields `_COLUMNS` names.
+_WIDTH: Final = 9
+_COPY_TASKS: Final = f"COPY pgtask.tasks ({_COLUMNS}) FROM STDIN"
+_COPY_TASKS_RUN_AT: Final = f"COPY pgtask.tasks ({_COLUMNS}, run_at) FROM STDIN"
+#: Database time, and whether it is the statement's time (always, unless a test moved the
+#: clock): then the column default gives each row the same ``run_at`` the statement would.
+_NOW: Final = "SELECT pgtask.now(), pgtask.now() = statement_timestamp()"
 
-Rows = list[tuple[Any, ...]]
 
-
-def copy_rows(rows: Sequence[TaskRow]) -> Rows | None:
-    """The rows as ``COPY`` rows (``run_at`` last, None for database time), or None when the
-    batch needs the statement: too small, or a delay."""
+def copy_rows(rows: Sequence[TaskRow]) -> Sequence[TaskRow] | None:
+    """``rows`` if they can be copied, else None: too few, or a delay."""
     if len(rows) < COPY_MIN_ROWS or any(row.delay for row in rows):
         return None
-    return [
-        (r.id, r.queue, r.name, r.version, r.payload, r.headers, r.priority, r.max_attempts,
-         r.timeout, r.run_at)
-        for r in rows
-    ]
+    return rows
 
 
-def _timed(rows: Rows, now: Any) -> Iterator[tuple[Any, ...]]:
-    for row in rows:
-        yield row if row[-1] is not None else (*row[:-1], now)
+def _plan(rows: Sequence[TaskRow], now: Any, real: bool) -> tuple[str, Iterable[tuple[Any, ...]]]:
+    """The ``COPY`` command and its rows, given database time ``now`` (``real``: unmoved)."""
+    if real and all(row.run_at is None for row in rows):
+        return _COPY_TASKS, (row[:_WIDTH] for row in rows)
+    return _COPY_TASKS_RUN_AT, (
+        (*row[:_WIDTH], now if row.run_at is None else row.run_at) for row in rows
+    )
 
 
-def _needs_now(rows: Rows) -> bool:
-    return any(row[-1] is None for row in rows)
-
-
-def copy_rows_sync(connection: Connection, rows: Rows) -> bool:
+def copy_rows_sync(connection: Connection, rows: Sequence[TaskRow]) -> bool:
     """``COPY`` ``rows`` in ``connection``'s transaction (begun if it was not); False, having
     sent nothing, when the driver is not psycopg. Errors are raised as SQLAlchemy would."""
     driver = connection.connection.driver_connection
@@ -66,32 +64,34 @@ def copy_rows_sync(connection: Connection, rows: Rows) -> bool:
         return False
     if not connection.in_transaction():
         connection.begin()  # what a statement's autobegin would have done
+    command = _COPY_TASKS
     try:
         with driver.cursor() as cursor:
-            now = cursor.execute(_NOW).fetchone()[0] if _needs_now(rows) else None  # type: ignore[index]
-            with cursor.copy(_COPY_TASKS) as copy:
-                for row in _timed(rows, now):
+            now, real = cursor.execute(_NOW).fetchone()  # type: ignore[misc]
+            command, copied = _plan(rows, now, real)
+            with cursor.copy(command) as copy:
+                for row in copied:
                     copy.write_row(row)
     except psycopg.Error as exc:
-        raise DBAPIError.instance(_COPY_TASKS, None, exc, psycopg.Error) from exc
+        raise DBAPIError.instance(command, None, exc, psycopg.Error) from exc
     return True
 
 
-async def copy_rows_async(connection: AsyncConnection, rows: Rows) -> bool:
+async def copy_rows_async(connection: AsyncConnection, rows: Sequence[TaskRow]) -> bool:
     """`copy_rows_sync` on an `AsyncConnection`."""
     driver = (await connection.get_raw_connection()).driver_connection
     if not isinstance(driver, psycopg.AsyncConnection):
         return False
     if not connection.in_transaction():
         await connection.begin()
+    command = _COPY_TASKS
     try:
         async with driver.cursor() as cursor:
-            now = None
-            if _needs_now(rows):
-                now = (await (await cursor.execute(_NOW)).fetchone())[0]  # type: ignore[index]
-            async with cursor.copy(_COPY_TASKS) as copy:
-                for row in _timed(rows, now):
+            now, real = await (await cursor.execute(_NOW)).fetchone()  # type: ignore[misc]
+            command, copied = _plan(rows, now, real)
+            async with cursor.copy(command) as copy:
+                for row in copied:
                     await copy.write_row(row)
     except psycopg.Error as exc:
-        raise DBAPIError.instance(_COPY_TASKS, None, exc, psycopg.Error) from exc
+        raise DBAPIError.instance(command, None, exc, psycopg.Error) from exc
     return True

@@ -95,12 +95,23 @@ def _name_problem(value: str, max_bytes: int) -> str | None:
 
 
 def _check_name(field: str, value: object, max_bytes: int) -> str:
+    if type(value) is str and (value, max_bytes) in _VALID_NAMES:
+        return value
     if not isinstance(value, str):
         raise InvalidNameError(field, f"must be a str, got {type(value).__name__}")
     problem = _name_problem(value, max_bytes)
     if problem is not None:
         raise InvalidNameError(field, problem)
+    if type(value) is str and len(_VALID_NAMES) < _VALID_NAMES_MAX:
+        _VALID_NAMES.add((value, max_bytes))
     return value
+
+
+#: Names already found valid (a process uses a few task and queue names over and over), so a
+#: bulk enqueue matches the pattern once per distinct name. Bounded: names made up per call
+#: (a mistake, but possible) stop being remembered rather than grow it without end.
+_VALID_NAMES: Final[set[tuple[str, int]]] = set()
+_VALID_NAMES_MAX: Final = 4096
 
 
 def check_queue_name(value: object, field: str = "queue") -> str:
@@ -322,11 +333,14 @@ def dump_json(field: str, value: object, max_bytes: int) -> str:
         if where is not None:
             raise PayloadError(field, f"contains a NUL character at {where}")
     surrogate: UnicodeEncodeError | None = None
-    try:
-        size = len(text.encode("utf-8"))
-    except UnicodeEncodeError as exc:
-        surrogate = exc
-        size = len(text.encode("utf-8", "surrogatepass"))
+    if text.isascii():  # most payloads: one byte per character, no surrogate possible
+        size = len(text)
+    else:
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError as exc:
+            surrogate = exc
+            size = len(text.encode("utf-8", "surrogatepass"))
     if _FLOAT_EXPONENT.search(text):
         size = jsonb_text_size(text)
     # Too large is reported before an unpaired surrogate: the size is the first thing a caller

@@ -22,16 +22,15 @@ down_revision = "pgtask_0005"
 branch_labels = None
 depends_on = None
 
-_TERMINAL = "('succeeded', 'failed', 'cancelled')"
-
 #: 0005's function, replaced in place (the trigger stays).
 _FUNCTION_0005 = previous._UP[
     previous._UP.index("CREATE FUNCTION") : previous._UP.index("CREATE TRIGGER")
 ].replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1)
 
-_QUIET_EXIT = f"""BEGIN
-    IF NOT EXISTS (SELECT FROM new_rows WHERE state IN {_TERMINAL})
-       AND NOT EXISTS (SELECT FROM old_rows WHERE state IN {_TERMINAL}) THEN
+_QUIET_EXIT = """BEGIN
+    IF NOT EXISTS (SELECT FROM new_rows WHERE state IN ('succeeded', 'failed', 'cancelled'))
+       AND NOT EXISTS (SELECT FROM old_rows WHERE state IN ('succeeded', 'failed', 'cancelled'))
+    THEN
         RETURN NULL;  -- a claim, a renewal, a release: nothing finished or came back
     END IF;
 """
