@@ -13,7 +13,8 @@ It creates a throwaway database (``--database-url``, else the server that
 and its reservation row. It analyses, then times filtered pages of the task list ``R`` times
 each (default 20): the query alone (`task_page` in the read-only snapshot the app uses) and
 the whole page through the app (Starlette's test client: routing, the query, the template),
-and prints the plan's scans. The database is dropped afterwards.
+and prints the plan's scans and how many tasks each page read (`TaskPage.searched_to` is set
+when a page stopped at `SCAN_LIMIT`). The database is dropped afterwards.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import Connection, Engine, create_engine, event, make_url, text
 from starlette.testclient import TestClient
 
 from sqlalchemy_pgtask.dashboard import create_app
-from sqlalchemy_pgtask.dashboard._queries import TaskFilters, task_page
+from sqlalchemy_pgtask.dashboard._queries import SCAN_LIMIT, TaskFilters, TaskPage, task_page
 from sqlalchemy_pgtask.migrations import upgrade
 from sqlalchemy_pgtask.testing import create_database, drop_database, provide_server
 
@@ -114,6 +115,13 @@ def cases(engine: Engine) -> list[tuple[str, TaskFilters, str, str | None]]:
         ("name=task-7", TaskFilters(name="task-7"), "name=task-7", None),
         ("queue=q3 name=nothing", TaskFilters(queue="q3", name="nothing"),
          "queue=q3&name=nothing", None),
+        ("name=nothing", TaskFilters(name="nothing"), "name=nothing", None),
+        ("queue=q3 state=cancelled name=task-5",
+         TaskFilters(queue="q3", state="cancelled", name="task-5"),
+         "queue=q3&state=cancelled&name=task-5", None),
+        ("state=failed, 10 days ago", TaskFilters(state="failed", since=day[0], until=day[1]),
+         f"state=failed&since={day[0].isoformat()}&until={day[1].isoformat()}".replace("+", "%2B"),
+         None),
         ("one day, 10 days ago", TaskFilters(since=day[0], until=day[1]),
          f"since={day[0].isoformat()}&until={day[1].isoformat()}".replace("+", "%2B"), None),
         ("search: task id", TaskFilters(search=str(some)), f"q={some}", None),
@@ -144,7 +152,7 @@ def plan(engine: Engine, filters: TaskFilters, cursor: str | None) -> str:
         event.listen(connection, "before_cursor_execute", capture)
         task_page(connection, filters, limit=50, after=cursor)
         event.remove(connection, "before_cursor_execute", capture)
-        statement, params = captured[-1]
+        statement, params = captured[0]  # the page's read (a short page reads its end next)
         rows = connection.exec_driver_sql("EXPLAIN " + statement, params).scalars().all()
         scans = [r.strip().lstrip("-> ") for r in rows if "Scan" in r]
         return "; ".join(s.split("  (")[0] for s in scans[:2])
@@ -155,19 +163,26 @@ def plan(engine: Engine, filters: TaskFilters, cursor: str | None) -> str:
 def measure(engine: Engine, runs: int) -> None:
     client = TestClient(create_app(engine))
     client.__enter__()  # one event loop for every request, as a server has
-    print(f"{'page':28} {'query ms (median / p95)':>24} {'page ms (median / p95)':>24}  plan")
+    print(f"{'page':38} {'query ms (median / p95)':>24} {'page ms (median / p95)':>24}"
+          "  found  plan")
     for label, filters, query, cursor in cases(engine):
-        q_med, q_p95 = timed(
-            lambda f=filters, c=cursor: read_only(
+        def one(f: TaskFilters = filters, c: str | None = cursor) -> TaskPage:
+            return cast(TaskPage, read_only(
                 engine, lambda conn: task_page(conn, f, limit=50, after=c)
-            ),
-            runs,
-        )
+            ))
+
+        q_med, q_p95 = timed(one, runs)
+        page = one()
+        found = f"{len(page.tasks)}{'*' if page.searched_to is not None else ''}"
         url = "/tasks?" + query + (f"&after={cursor}".replace("+", "%2B") if cursor else "")
-        p_med, p_p95 = timed(lambda u=url: client.get(u).raise_for_status(), runs)
-        print(f"{label:28} {q_med:11.1f} / {q_p95:8.1f}   {p_med:11.1f} / {p_p95:8.1f}  "
-              f"{plan(engine, filters, cursor)}", flush=True)
+        def view(u: str = url) -> Any:
+            return client.get(u).raise_for_status()
+
+        p_med, p_p95 = timed(view, runs)
+        print(f"{label:38} {q_med:11.1f} / {q_p95:8.1f}   {p_med:11.1f} / {p_p95:8.1f}  "
+              f"{found:>5}  {plan(engine, filters, cursor)}", flush=True)
     client.__exit__(None, None, None)
+    print(f"* the page stopped after reading {SCAN_LIMIT:,} tasks (TaskPage.searched_to)")
 
 
 def main() -> int:

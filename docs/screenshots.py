@@ -7,8 +7,9 @@
 Creates a throwaway database (``--database-url``, else the server that
 ``provide_server(url_env="PGTASK_TEST_DATABASE_URL")`` finds), seeds it like the dashboard's
 tests (`tests.dashboard.seed`) plus one realistic failure, serves the dashboard with an admin
-token, logs in with Debian's headless Chromium and writes ``overview.png``, ``tasks.png`` and
-``task.png``. Needs the ``test`` extra and ``/usr/bin/chromium``.
+token, logs in with Debian's headless Chromium and writes ``overview.png``, ``tasks.png``,
+``task.png``, ``workers.png``, ``schedules.png`` and ``audit.png``. Needs the ``test`` extra
+and ``/usr/bin/chromium``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from tests.dashboard.conftest import CHROMIUM, CHROMIUM_ARGS, TOKEN, LiveServer 
 from tests.dashboard.seed import fail_task, seed  # noqa: E402
 
 IMAGES = ROOT / "docs" / "images"
+SHOTS = ("overview", "tasks", "task", "workers", "schedules", "audit")
 
 TRACEBACK = """Traceback (most recent call last):
   File "/srv/app/tasks/invoices.py", line 88, in render_invoice
@@ -85,7 +87,10 @@ def main() -> int:
         page.screenshot(path=str(IMAGES / "tasks.png"))
         page.goto(f"{server.url}/tasks/{failed}")
         page.screenshot(path=str(IMAGES / "task.png"), full_page=True)
-    for name in ("overview", "tasks", "task"):
+        for name in ("workers", "schedules", "audit"):
+            page.goto(f"{server.url}/{name}")
+            page.screenshot(path=str(IMAGES / f"{name}.png"))
+    for name in SHOTS:
         print(IMAGES / f"{name}.png")
     return 0
 

@@ -8,8 +8,12 @@ variable, since a command line is visible to every user of the host (``ps``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
+import signal
+from collections.abc import Iterator
+from types import FrameType
 from typing import Any, Final
 
 from sqlalchemy import create_engine
@@ -44,12 +48,41 @@ def dashboard(args: argparse.Namespace) -> int:
             if not status.schema_installed(connection):
                 raise SchemaNotInstalled()
         app = create_app(engine, admin_token=token)
-        mode = "actions need the admin token" if token else "read-only (no admin token)"
+        mode = "actions need the admin token" if token else "read-only: no admin token"
         print(f"pgtask dashboard on http://{args.host}:{args.port}/ ({mode})", flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        with _stopped_by_signal():
+            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.dispose()
     return EXIT_OK
+
+
+class _Stop(BaseException):
+    """A stop signal, raised on the main thread by `_stopped_by_signal`'s handler."""
+
+
+@contextlib.contextmanager
+def _stopped_by_signal() -> Iterator[None]:
+    """SIGTERM and SIGINT end the block, and the command exits 0 like ``pgtask worker``.
+
+    While it serves, uvicorn handles both itself (a graceful shutdown); once shut down, it
+    raises the signal again under the handler it found (0.29 and later). The default handler
+    would kill the process there (exit 143), skipping the engine's disposal and the exit code,
+    so the handler installed here ends the block instead; it also ends it when the signal comes
+    before uvicorn took over (during start-up).
+    """
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        raise _Stop
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    except _Stop:
+        pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def add_commands(commands: Any) -> None:

@@ -30,7 +30,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from sqlalchemy_pgtask import status
-from sqlalchemy_pgtask.dashboard._queries import PAGE_SIZE_MAX
+from sqlalchemy_pgtask.dashboard._queries import PAGE_SIZE_MAX, SCAN_LIMIT
 from sqlalchemy_pgtask.dashboard._security import CSRF_FIELD, ActorHook, Guard
 from sqlalchemy_pgtask.errors import (
     PgTaskError,
@@ -83,11 +83,12 @@ class Dashboard:
     """What every page and action needs: the engine, the access rules, the templates."""
 
     def __init__(
-        self, engine: Engine, guard: Guard, *, page_size: int, title: str
+        self, engine: Engine, guard: Guard, *, page_size: int, scan_limit: int, title: str
     ) -> None:
         self.engine = engine
         self.guard = guard
         self.page_size = page_size
+        self.scan_limit = scan_limit
         self.title = title
         self.templates = jinja2.Environment(
             loader=jinja2.FileSystemLoader(_HERE / "templates"),
@@ -234,6 +235,7 @@ def create_app(
     admin_token: str | None = None,
     actor_from_request: ActorHook | None = None,
     page_size: int = 50,
+    scan_limit: int = SCAN_LIMIT,
     title: str = "pgtask",
 ) -> Starlette:
     """The dashboard as a Starlette (ASGI) application: serve it, or mount it in your own.
@@ -247,8 +249,11 @@ def create_app(
     :param actor_from_request: your own auth when mounted: called with each request, it
         returns the actor to record (the request may act) or None (it may only look).
     :param page_size: rows per page of the task list and the audit log (1 to 500).
+    :param scan_limit: the most tasks one page of a filtered task list reads before it shows
+        what it found and offers to search older tasks (at least ``page_size``).
     :param title: shown in the page header and title.
-    :raises ValueError: a bad page size, an empty token, or a URL that is not PostgreSQL's.
+    :raises ValueError: a bad page size or scan limit, an empty token, or a URL that is not
+        PostgreSQL's.
 
     Every action is a POST with a CSRF token; see docs/dashboard.md.
     """
@@ -256,11 +261,14 @@ def create_app(
 
     if not 1 <= page_size <= PAGE_SIZE_MAX:
         raise ValueError(f"page_size must be 1 to {PAGE_SIZE_MAX}, got {page_size}")
+    if scan_limit < page_size:
+        raise ValueError(f"scan_limit must be at least page_size ({page_size}), got {scan_limit}")
     if admin_token is not None and len(admin_token) < 8:
         raise ValueError("admin_token must be at least 8 characters")
     engine, owned = _engine(engine_or_url)
     dashboard = Dashboard(
-        engine, Guard(admin_token, actor_from_request), page_size=page_size, title=title
+        engine, Guard(admin_token, actor_from_request), page_size=page_size,
+        scan_limit=scan_limit, title=title,
     )
 
     def route(path: str, endpoint: Callable[[Dashboard, Request], Any], name: str,

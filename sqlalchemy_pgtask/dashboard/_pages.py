@@ -109,7 +109,9 @@ async def tasks(dashboard: Dashboard, request: Request) -> Response:
     after = _param(request, "after")
 
     def read(connection: Connection) -> Any:
-        return task_page(connection, filters, limit=limit, after=after)
+        return task_page(
+            connection, filters, limit=limit, after=after, scan_limit=dashboard.scan_limit
+        )
 
     page = await dashboard.read(read)
     next_url = None
@@ -128,6 +130,7 @@ async def tasks(dashboard: Dashboard, request: Request) -> Response:
             "states": TASK_STATES,
             "next_url": next_url,
             "first_url": first_url,
+            "scan_limit": dashboard.scan_limit,
         },
     )
 

@@ -98,7 +98,11 @@ class Guard:
         if scheme.lower() == "bearer" and self.token_matches(credentials.strip()):
             return "dashboard:token"
         name, _, mac = request.cookies.get(SESSION_COOKIE, "").rpartition(":")
-        if check_operator_name(name) and hmac.compare_digest(mac, self._mac(name)):
+        # Bytes, not str: compare_digest refuses non-ASCII str (a forged cookie may hold any
+        # byte), which would make a refusal a server error.
+        if check_operator_name(name) and hmac.compare_digest(
+            mac.encode("utf-8"), self._mac(name).encode("utf-8")
+        ):
             return f"dashboard:{name}"
         return None
 

@@ -135,6 +135,9 @@ class Task(Base):
             "queue", "completed_at", "state",
             postgresql_where=text(f"state IN ({quoted(TERMINAL_STATES)})"),
         ),
+        # The dashboard's task list: newest first by creation (database time), and a created
+        # range read as one range of this index. ``id`` breaks ties for the keyset cursor.
+        Index("ix_tasks_created", "created_at", "id"),
         Index(
             "ix_tasks_parent",
             "parent_id",

@@ -26,9 +26,11 @@ def listed(html: str) -> list[uuid.UUID]:
 
 
 def all_ids_newest_first(engine: Engine) -> list[uuid.UUID]:
-    """Every task id, newest first: ids are time-ordered (UUID version 7)."""
+    """Every task id, newest first: by creation, ties by id."""
     with engine.connect() as connection:
-        return list(connection.scalars(select(Task.id).order_by(Task.id.desc())))
+        return list(connection.scalars(
+            select(Task.id).order_by(Task.created_at.desc(), Task.id.desc())
+        ))
 
 
 def test_overview_shows_each_queue_with_counts_pause_capacity_rate_and_last_hour(

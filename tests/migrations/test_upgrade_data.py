@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import create_engine, text
 
 from sqlalchemy_pgtask import Registry, RetryPolicy, TaskContext, WorkerOptions
-from sqlalchemy_pgtask.migrations import upgrade
+from sqlalchemy_pgtask.migrations import head_revision, upgrade
 from sqlalchemy_pgtask.testing import running_worker
 
 
@@ -37,3 +37,32 @@ async def test_a_policy_frozen_before_max_attempts_was_frozen_still_lets_its_wor
     finally:
         engine.dispose()
     assert frozen == 3
+
+
+def test_the_task_list_index_built_concurrently_beforehand_is_kept_by_the_upgrade(
+    pgtask_empty_database_url: str,
+) -> None:
+    url = pgtask_empty_database_url
+    upgrade(url, "pgtask_0006")
+    engine = create_engine(url)
+    try:
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            # What docs tell operators of a large table to run before upgrading.
+            conn.execute(text(
+                "CREATE INDEX CONCURRENTLY ix_tasks_created ON pgtask.tasks (created_at, id)"
+            ))
+            before = conn.execute(
+                text("SELECT 'pgtask.ix_tasks_created'::regclass::oid")
+            ).scalar_one()
+        upgrade(url)
+        with engine.connect() as conn:
+            after = conn.execute(
+                text("SELECT 'pgtask.ix_tasks_created'::regclass::oid")
+            ).scalar_one()
+            version = conn.execute(
+                text("SELECT version_num FROM pgtask.alembic_version")
+            ).scalar_one()
+    finally:
+        engine.dispose()
+    assert after == before
+    assert version == head_revision()

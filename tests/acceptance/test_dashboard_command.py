@@ -1,0 +1,232 @@
+"""``pgtask dashboard`` as an operator runs it: a real subprocess serving HTTP on a free port.
+
+It answers with the overview of the database it was given; an operator who logs in with the
+admin token (from ``--admin-token`` or ``$PGTASK_DASHBOARD_TOKEN``), through the login form's
+CSRF double submit, may pause a queue, recorded in the audit log as ``dashboard:<name>``; the
+same request without the login is refused and writes nothing. SIGTERM stops it cleanly.
+
+Every wait polls with a deadline; the process is stopped (SIGTERM, then SIGKILL) at teardown
+whatever the test did.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Final
+
+import httpx2
+import pytest
+
+from sqlalchemy_pgtask import configure_queue, enqueue
+from sqlalchemy_pgtask.queues import list_queues
+from tests.support.waiting import wait_until
+from tests.support.workerproc import PGTASK, Database, cli_env
+
+TOKEN: Final = "acceptance-dashboard-token-5b2e"
+TOKEN_ENV: Final = "PGTASK_DASHBOARD_TOKEN"
+QUEUE: Final = "invoices"
+OPERATOR: Final = "dora"
+STARTUP_TIMEOUT: Final = 30.0
+STOP_TIMEOUT: Final = 15.0
+CSRF_FIELD: Final = re.compile(r'<input type="hidden" name="csrf_token" value="([^"]+)">')
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclass(eq=False)
+class DashboardProcess:
+    """One ``pgtask dashboard`` subprocess and its log."""
+
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    log_file: IO[bytes]
+    url: str
+
+    #: Whether `stop` had to SIGKILL it (SIGTERM did not stop it in time).
+    killed: bool = False
+
+    def log(self) -> str:
+        if not self.log_file.closed:
+            self.log_file.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def describe(self) -> str:
+        code = self.process.poll()
+        status = "running" if code is None else f"exited with {code}"
+        return f"pgtask dashboard pid {self.process.pid} ({status}); log:\n{self.log()}"
+
+    def answers(self) -> bool:
+        """Whether ``GET /`` answers 200; fails at once if the process has exited."""
+        assert self.process.poll() is None, self.describe()
+        try:
+            return httpx2.get(self.url + "/", timeout=5.0).status_code == 200
+        except httpx2.TransportError:
+            return False
+
+    def stop(self) -> int:
+        """SIGTERM, wait; SIGKILL if it would not stop. The exit code (reaped either way)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.killed = True
+                self.process.kill()
+        code = self.process.wait()
+        if not self.log_file.closed:
+            self.log_file.close()
+        return code
+
+
+@pytest.fixture
+def dashboards(tmp_path: Path) -> Iterator[Callable[..., DashboardProcess]]:
+    """Start ``pgtask dashboard --database-url URL --host 127.0.0.1 --port <free> ARGS`` with
+    ``env`` added to a clean environment, once it answers; every one is stopped at teardown."""
+    started: list[DashboardProcess] = []
+
+    def start(database_url: str, *args: str, env: dict[str, str] | None = None) -> DashboardProcess:
+        port = free_port()
+        environment = cli_env(env)
+        if env is None or TOKEN_ENV not in env:
+            environment.pop(TOKEN_ENV, None)
+        log_path = tmp_path / f"dashboard-{len(started)}.log"
+        log_file = log_path.open("wb")
+        process = subprocess.Popen(
+            [str(PGTASK), "dashboard", "--database-url", database_url, "--host", "127.0.0.1",
+             "--port", str(port), "--log-level", "info", *args],
+            cwd=tmp_path, env=environment, stdout=log_file, stderr=subprocess.STDOUT,
+        )
+        dashboard = DashboardProcess(process, log_path, log_file, f"http://127.0.0.1:{port}")
+        started.append(dashboard)
+        wait_until(dashboard.answers, STARTUP_TIMEOUT, interval=0.1,
+                   message="the dashboard to answer GET /", describe=dashboard.describe)
+        return dashboard
+
+    try:
+        yield start
+    finally:
+        for dashboard in started:
+            dashboard.stop()
+
+
+@pytest.fixture
+def seeded(db: Database) -> Database:
+    """The test's database with queue ``invoices`` configured and holding one pending task."""
+    with db.engine.begin() as connection:
+        configure_queue(connection, QUEUE, max_outstanding_tasks=500, actor="seed")
+        enqueue(connection, "invoice.send", {"invoice": 1017}, queue=QUEUE)
+    return db
+
+
+def audit_of(db: Database) -> list[tuple[str, str, str | None]]:
+    """Every audit entry, oldest first: (actor, action, queue)."""
+    rows = db.rows("SELECT actor, action, queue FROM pgtask.audit_log ORDER BY id")
+    return [(row.actor, row.action, row.queue) for row in rows]
+
+
+def paused(db: Database, queue: str) -> bool:
+    with db.engine.connect() as connection:
+        return any(q.name == queue and q.paused for q in list_queues(connection))
+
+
+def csrf_of(client: httpx2.Client, path: str) -> str:
+    """GET ``path``; the CSRF token its form repeats, which must be the cookie's."""
+    page = client.get(path)
+    assert page.status_code == 200, page.text
+    found = CSRF_FIELD.findall(page.text)
+    assert found, f"no CSRF field on {path}"
+    cookie = client.cookies.get("pgtask_csrf")
+    assert cookie is not None, "no CSRF cookie"
+    assert set(found) == {cookie}
+    return cookie
+
+
+def client_of(dashboard: DashboardProcess) -> httpx2.Client:
+    return httpx2.Client(base_url=dashboard.url, follow_redirects=False, timeout=10.0)
+
+
+@pytest.mark.parametrize("token_from", ["--admin-token", TOKEN_ENV])
+def test_the_served_dashboard_lets_a_logged_in_operator_pause_a_queue_and_refuses_others(
+    dashboards: Callable[..., DashboardProcess], seeded: Database, token_from: str
+) -> None:
+    if token_from == TOKEN_ENV:
+        dashboard = dashboards(seeded.url, env={TOKEN_ENV: TOKEN})
+        cmdline = Path(f"/proc/{dashboard.process.pid}/cmdline").read_bytes()
+        assert TOKEN.encode() not in cmdline
+    else:
+        dashboard = dashboards(seeded.url, "--admin-token", TOKEN)
+    assert f"pgtask dashboard on {dashboard.url}/ (actions need the admin token)" in (
+        dashboard.log()
+    )
+    before = audit_of(seeded)
+    assert not paused(seeded, QUEUE)
+
+    with client_of(dashboard) as anonymous, client_of(dashboard) as operator:
+        overview = anonymous.get("/")
+        assert overview.status_code == 200
+        row = re.search(rf'<tr data-queue="{QUEUE}">(.*?)</tr>', overview.text, re.S)
+        assert row is not None, overview.text
+        assert "/ 500" in row.group(1)  # the seeded queue's capacity: this database's
+        # Not logged in, with a valid CSRF token: refused, nothing written.
+        refused = anonymous.post(
+            f"/queues/{QUEUE}/pause", data={"csrf_token": csrf_of(anonymous, "/login")}
+        )
+        assert refused.status_code == 403
+        assert "needs the admin token" in refused.text
+        assert audit_of(seeded) == before
+        assert not paused(seeded, QUEUE)
+        # The right token without the form's CSRF field, or a wrong token, does not log in.
+        csrf_of(operator, "/login")  # the CSRF cookie is set: only the field is missing
+        forged = operator.post("/login", data={"token": TOKEN, "name": OPERATOR})
+        assert forged.status_code == 403
+        assert "CSRF" in forged.text
+        wrong = operator.post("/login", data={
+            "csrf_token": csrf_of(operator, "/login"), "token": "not-the-token", "name": OPERATOR,
+        })
+        assert wrong.status_code == 403
+        assert "pgtask_session" not in operator.cookies
+        # Logged in through the form (the CSRF double submit), the pause is done and audited.
+        login = operator.post("/login", data={
+            "csrf_token": csrf_of(operator, "/login"), "token": TOKEN, "name": OPERATOR,
+        })
+        assert login.status_code == 303, login.text
+        assert "pgtask_session" in operator.cookies
+        pause = operator.post(
+            f"/queues/{QUEUE}/pause", data={"csrf_token": csrf_of(operator, "/")}
+        )
+        assert pause.status_code == 303, pause.text
+        assert pause.headers["location"] == "/?notice=paused"
+        after = operator.get("/")
+        assert re.search(
+            rf'<tr data-queue="{QUEUE}">.*?data-testid="paused"', after.text, re.S
+        )
+
+    assert audit_of(seeded) == [*before, (f"dashboard:{OPERATOR}", "queue.pause", QUEUE)]
+    assert paused(seeded, QUEUE)
+    # SIGTERM stops it within the timeout, after a graceful shutdown, without a traceback.
+    code = dashboard.stop()
+    assert not dashboard.killed, dashboard.describe()
+    assert code == 0, dashboard.describe()
+    assert "Traceback" not in dashboard.log()
+    assert "Finished server process" in dashboard.log()
+
+
+def test_sigterm_stops_the_dashboard_command_with_exit_code_0(
+    dashboards: Callable[..., DashboardProcess], seeded: Database
+) -> None:
+    dashboard = dashboards(seeded.url)
+
+    code = dashboard.stop()
+
+    assert not dashboard.killed, dashboard.describe()
+    assert code == 0, dashboard.describe()
