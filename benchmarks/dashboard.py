@@ -32,7 +32,7 @@ from sqlalchemy import Connection, Engine, create_engine, event, make_url, text
 from starlette.testclient import TestClient
 
 from sqlalchemy_pgtask.dashboard import create_app
-from sqlalchemy_pgtask.dashboard._queries import SCAN_LIMIT, TaskFilters, TaskPage, task_page
+from sqlalchemy_pgtask.dashboard._task_list import SCAN_LIMIT, TaskFilters, TaskPage, task_page
 from sqlalchemy_pgtask.migrations import upgrade
 from sqlalchemy_pgtask.testing import create_database, drop_database, provide_server
 
@@ -152,7 +152,7 @@ def plan(engine: Engine, filters: TaskFilters, cursor: str | None) -> str:
         event.listen(connection, "before_cursor_execute", capture)
         task_page(connection, filters, limit=50, after=cursor)
         event.remove(connection, "before_cursor_execute", capture)
-        statement, params = captured[0]  # the page's read (a short page reads its end next)
+        statement, params = captured[-1]  # the page's read (a filtered one finds its floor first)
         rows = connection.exec_driver_sql("EXPLAIN " + statement, params).scalars().all()
         scans = [r.strip().lstrip("-> ") for r in rows if "Scan" in r]
         return "; ".join(s.split("  (")[0] for s in scans[:2])

@@ -44,13 +44,13 @@ def dashboard(args: argparse.Namespace) -> int:
         raise UsageError("the admin token must be at least 8 characters")
     engine = create_engine(database_url(args), pool_size=4, max_overflow=4, pool_pre_ping=True)
     try:
-        with engine.connect() as connection:
-            if not status.schema_installed(connection):
-                raise SchemaNotInstalled()
-        app = create_app(engine, admin_token=token)
-        mode = "actions need the admin token" if token else "read-only: no admin token"
-        print(f"pgtask dashboard on http://{args.host}:{args.port}/ ({mode})", flush=True)
         with _stopped_by_signal():
+            with engine.connect() as connection:
+                if not status.schema_installed(connection):
+                    raise SchemaNotInstalled()
+            app = create_app(engine, admin_token=token)
+            mode = "actions need the admin token" if token else "read-only: no admin token"
+            print(f"pgtask dashboard on http://{args.host}:{args.port}/ ({mode})", flush=True)
             uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.dispose()
@@ -69,11 +69,16 @@ def _stopped_by_signal() -> Iterator[None]:
     raises the signal again under the handler it found (0.29 and later). The default handler
     would kill the process there (exit 143), skipping the engine's disposal and the exit code,
     so the handler installed here ends the block instead; it also ends it when the signal comes
-    before uvicorn took over (during start-up).
+    before uvicorn took over (while the command connects and checks the schema).
     """
 
+    stopping = False
+
     def stop(signum: int, frame: FrameType | None) -> None:
-        raise _Stop
+        nonlocal stopping
+        if not stopping:  # a second signal while the block unwinds changes nothing
+            stopping = True
+            raise _Stop
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:

@@ -30,8 +30,9 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from sqlalchemy_pgtask import status
-from sqlalchemy_pgtask.dashboard._queries import PAGE_SIZE_MAX, SCAN_LIMIT
+from sqlalchemy_pgtask.dashboard._queries import PAGE_SIZE_MAX
 from sqlalchemy_pgtask.dashboard._security import CSRF_FIELD, ActorHook, Guard
+from sqlalchemy_pgtask.dashboard._task_list import SCAN_LIMIT
 from sqlalchemy_pgtask.errors import (
     PgTaskError,
     QueueFull,

@@ -16,13 +16,12 @@ from sqlalchemy_pgtask import status
 from sqlalchemy_pgtask.audit import list_audit
 from sqlalchemy_pgtask.dashboard._queries import (
     PAGE_SIZE_MAX,
-    TaskFilters,
     capabilities,
     running_tasks,
-    task_page,
     task_tree,
     throughput,
 )
+from sqlalchemy_pgtask.dashboard._task_list import TaskFilters, task_page
 from sqlalchemy_pgtask.errors import InvalidOptionError
 from sqlalchemy_pgtask.queues import list_queues
 from sqlalchemy_pgtask.schedule import list_schedules

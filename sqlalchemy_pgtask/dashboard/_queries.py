@@ -1,10 +1,10 @@
 """dashboard._queries: what the dashboard reads beyond `sqlalchemy_pgtask.status`; never writes.
 
-Two reads are the dashboard's own: the task list, whose filters (a time range, a search by id
-or idempotency key), keyset cursor and bounded reads go beyond `status.list_tasks`, and the
-last hour's throughput per queue. Everything else (counts by state, one task in detail, workers,
-schedules, the audit log) comes from the library's read models, so the dashboard and the
-``pgtask`` command cannot disagree.
+The last hour's throughput per queue, running tasks and capabilities per worker, and a task's
+family tree are the dashboard's own reads; the task list is `dashboard._task_list`.
+Everything else (counts by state, one task in detail, workers, schedules, the audit log)
+comes from the library's read models, so the dashboard and the ``pgtask`` command cannot
+disagree.
 """
 
 from __future__ import annotations
@@ -12,87 +12,32 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from typing import Any, Final
 
-from sqlalchemy import Connection, func, literal, literal_column, select, tuple_
+from sqlalchemy import Connection, func, literal, literal_column, select
 from sqlalchemy.orm import aliased
 
-from sqlalchemy_pgtask.errors import InvalidOptionError
-from sqlalchemy_pgtask.models import IdempotencyKey, Task, WorkerCapability
+from sqlalchemy_pgtask.models import Task, WorkerCapability
 from sqlalchemy_pgtask.statements import NOW
-from sqlalchemy_pgtask.states import FAILED, RUNNING, SUCCEEDED, TERMINAL_STATES, TaskState
-from sqlalchemy_pgtask.status import TaskDetail, TaskRef, TaskSummary, check_list_filters
-from sqlalchemy_pgtask.validation import check_free_text
+from sqlalchemy_pgtask.states import FAILED, RUNNING, SUCCEEDED, TERMINAL_STATES
+from sqlalchemy_pgtask.status import TaskDetail, TaskRef
 
 __all__ = [
     "PAGE_SIZE_MAX",
-    "SCAN_LIMIT",
     "RunningTask",
-    "TaskFilters",
-    "TaskPage",
     "TaskTree",
     "Throughput",
     "capabilities",
-    "parse_cursor",
     "running_tasks",
-    "task_page",
     "task_tree",
     "throughput",
 ]
 
+#: The most rows one page of the task list or the audit log shows.
 PAGE_SIZE_MAX: Final = 500
-#: The most tasks one page of a filtered task list reads before it answers with what it found
-#: (`TaskPage.searched_to`): about 20 ms of PostgreSQL on a small host, so a filter that
-#: matches nothing answers in bounded time, whatever the size of the history.
-SCAN_LIMIT: Final = 25_000
-#: The longest search text: an idempotency key's limit.
-_SEARCH_MAX_BYTES: Final = 512
 #: The most running tasks the workers page lists.
 _RUNNING_MAX: Final = 500
-
-_SUMMARY_COLUMNS: Final = (
-    Task.id, Task.queue, Task.name, Task.version, Task.state, Task.priority, Task.attempt,
-    Task.max_attempts, Task.run_at, Task.created_at, Task.updated_at, Task.completed_at,
-)
-_SUMMARY_KEYS: Final = tuple(column.key for column in _SUMMARY_COLUMNS)
-
-
-@dataclass(frozen=True)
-class TaskFilters:
-    """The task list's filters, checked: every field None means "any"."""
-
-    state: TaskState | None = None
-    queue: str | None = None
-    name: str | None = None
-    #: Created at or after this instant.
-    since: datetime | None = None
-    #: Created before this instant.
-    until: datetime | None = None
-    #: A task id, or an idempotency key (exact).
-    search: str | None = None
-
-    def __post_init__(self) -> None:
-        check_list_filters(state=self.state, queue=self.queue, name=self.name)
-        for field in ("since", "until"):
-            value = getattr(self, field)
-            if value is not None and value.tzinfo is None:
-                raise InvalidOptionError(field, "must be an aware datetime")
-        if self.search is not None:
-            check_free_text("search", self.search, _SEARCH_MAX_BYTES)
-
-
-@dataclass(frozen=True)
-class TaskPage:
-    """One page of the task list, newest first, and the cursor of the next (older) page."""
-
-    tasks: tuple[TaskSummary, ...]
-    #: Pass as ``after`` for the next page; None on the last page.
-    next_cursor: str | None
-    #: Set when the page stopped at `SCAN_LIMIT` tasks read before it found a full page: the
-    #: creation time of the oldest task it read. Older tasks may match; ``next_cursor``
-    #: continues the search below it.
-    searched_to: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -109,152 +54,6 @@ class Throughput:
         """Failed among succeeded + failed, 0 to 1; None when none of either finished."""
         done = self.succeeded + self.failed
         return None if done == 0 else self.failed / done
-
-
-_EPOCH: Final = datetime(1970, 1, 1, tzinfo=timezone.utc)
-_MICROSECOND: Final = timedelta(microseconds=1)
-
-
-def _cursor(created_at: datetime, task_id: uuid.UUID) -> str:
-    """The keyset position of a task: its creation time (exact, in microseconds) and id."""
-    return f"{(created_at - _EPOCH) // _MICROSECOND}.{task_id}"
-
-
-def parse_cursor(value: str) -> tuple[datetime, uuid.UUID] | uuid.UUID:
-    """A cursor made by `task_page` as ``(created_at, id)``, or a bare task id (the cursor of
-    earlier versions, and a handy one to type: the list continues below that task); else
-    `InvalidOptionError`."""
-    micros, dot, rest = value.partition(".")
-    try:
-        if not dot:
-            return uuid.UUID(value)
-        if not micros.lstrip("-").isdigit():
-            raise ValueError(micros)
-        return _EPOCH + int(micros) * _MICROSECOND, uuid.UUID(rest)
-    except (ValueError, OverflowError) as exc:
-        raise InvalidOptionError("after", f"not a task list cursor: {value[:80]!r}") from exc
-
-
-def _position(connection: Connection, after: str) -> tuple[datetime, uuid.UUID]:
-    cursor = parse_cursor(after)
-    if not isinstance(cursor, uuid.UUID):
-        return cursor
-    created = connection.execute(select(Task.created_at).where(Task.id == cursor)).scalar()
-    if created is None:
-        raise InvalidOptionError("after", f"no task with id {cursor} to continue below")
-    return created, cursor
-
-
-def _search(text: str, queue: str | None) -> Any:
-    """A task id matches its task (primary key); other text matches an idempotency key
-    through ``pgtask.idempotency_keys``, whose primary key ``(queue, key)`` makes it one
-    lookup when the queue is known (without it, the keys are scanned). A key whose
-    reservation retention already deleted is not found."""
-    try:
-        return Task.id == uuid.UUID(text)
-    except ValueError:
-        keys = select(IdempotencyKey.task_id).where(IdempotencyKey.key == text)
-        if queue is not None:
-            keys = keys.where(IdempotencyKey.queue == queue)
-        return Task.id.in_(keys)
-
-
-def task_page(
-    connection: Connection,
-    filters: TaskFilters,
-    *,
-    limit: int = 50,
-    after: str | None = None,
-    scan_limit: int = SCAN_LIMIT,
-) -> TaskPage:
-    """The newest tasks matching ``filters``, by creation (``created_at DESC, id DESC``),
-    ``limit`` at most.
-
-    The index on ``(created_at, id)`` serves the order and the time range: the scan walks it
-    backwards from the cursor (or ``until``) and stops after ``limit + 1`` matches, without
-    sorting the matching rows, so the cost of a page does not grow with its depth. A filter
-    on state, queue or name is checked on each task read, and a page reads at most
-    ``scan_limit`` tasks: a filter that matches few or none of them answers with what it
-    found, `TaskPage.searched_to` says how far back it looked, and ``next_cursor`` goes on
-    from there. A search by task id or idempotency key reads just those tasks.
-
-    ``after`` is the previous page's `TaskPage.next_cursor`: the next page starts below that
-    position, so rows added meanwhile never shift it, and no row is read twice or skipped.
-    """
-    if not 1 <= limit <= PAGE_SIZE_MAX:
-        raise InvalidOptionError("limit", f"must be 1 to {PAGE_SIZE_MAX}, got {limit}")
-    if scan_limit < 1:
-        raise InvalidOptionError("scan_limit", f"must be at least 1, got {scan_limit}")
-    bounds = []
-    if filters.since is not None:
-        bounds.append(Task.created_at >= filters.since)
-    if filters.until is not None:
-        bounds.append(Task.created_at < filters.until)
-    if after is not None:
-        created_at, task_id = _position(connection, after)
-        bounds.append(tuple_(Task.created_at, Task.id) < tuple_(created_at, task_id))
-    filtered = [
-        (column, value) for column, value in (
-            ("state", filters.state), ("queue", filters.queue), ("name", filters.name)
-        ) if value is not None
-    ]
-    newest = (Task.created_at.desc(), Task.id.desc())
-    if filters.search is not None or not filtered:
-        # Every row the range yields is a match, or the search names the few rows to read.
-        checks = [Task.__table__.c[column] == value for column, value in filtered]
-        if filters.search is not None:
-            checks.append(_search(filters.search, filters.queue))
-        rows = connection.execute(
-            select(*_SUMMARY_COLUMNS).where(*bounds, *checks).order_by(*newest)
-            .limit(limit + 1)
-        ).all()
-        return _page([_summary(row) for row in rows], limit)
-    # The filters apply to a bounded read, a subquery with its own LIMIT, which PostgreSQL
-    # never pushes a condition into: the planner cannot trade the ordered index walk for a
-    # scan of the whole table (it did, for a filter it thought rare), and the walk stops after
-    # ``scan_limit`` rows.
-    read = (
-        select(*_SUMMARY_COLUMNS).where(*bounds).order_by(*newest).limit(scan_limit)
-        .subquery("read")
-    )
-    rows = connection.execute(
-        select(read)
-        .where(*(read.c[column] == value for column, value in filtered))
-        .order_by(read.c.created_at.desc(), read.c.id.desc())
-        .limit(limit + 1)
-    ).all()
-    hits = [_summary(row) for row in rows]
-    if len(hits) > limit:
-        return _page(hits, limit)
-    # Short of a page: either the range ended, or the read stopped at its limit. The last row
-    # it read, if it read that many, is where the next page goes on (an index-only walk of the
-    # same range: a few milliseconds, against ten times that for numbering every row read).
-    last = connection.execute(
-        select(Task.created_at, Task.id).where(*bounds).order_by(*newest)
-        .offset(scan_limit - 1).limit(1)
-    ).first()
-    if last is None:
-        return _page(hits, limit)
-    return TaskPage(
-        tasks=tuple(hits),
-        next_cursor=_cursor(last.created_at, last.id),
-        searched_to=last.created_at,
-    )
-
-
-def _summary(row: Any) -> TaskSummary:
-    return TaskSummary(**{key: getattr(row, key) for key in _SUMMARY_KEYS})
-
-
-def _page(found: list[TaskSummary], limit: int) -> TaskPage:
-    """A page of the first ``limit`` of ``found`` (read ``limit + 1``: one more means an
-    older page exists)."""
-    tasks = tuple(found[:limit])
-    more = len(found) > limit
-    return TaskPage(
-        tasks=tasks,
-        next_cursor=_cursor(tasks[-1].created_at, tasks[-1].id) if more else None,
-    )
 
 
 def throughput(connection: Connection, *, window: timedelta = timedelta(hours=1)) -> dict[

@@ -15,7 +15,7 @@ from sqlalchemy import Connection, Engine, delete, event, select, text
 from starlette.testclient import TestClient
 
 from sqlalchemy_pgtask.dashboard import create_app
-from sqlalchemy_pgtask.dashboard._queries import TaskFilters, TaskPage, task_page
+from sqlalchemy_pgtask.dashboard._task_list import TaskFilters, TaskPage, task_page
 from sqlalchemy_pgtask.errors import InvalidOptionError
 from sqlalchemy_pgtask.models import Task
 from tests.dashboard.conftest import Shared
@@ -73,10 +73,38 @@ def test_a_filter_that_matches_nothing_stops_at_the_scan_limit_and_says_how_far_
         pages = walk(connection, TaskFilters(name="no.such.task"), limit=3, scan_limit=10)
 
     assert all(page.tasks == () for page in pages)
-    # Each page read ten more tasks than the one before, down to the oldest.
-    assert [page.searched_to for page in pages[:-1]] == [row.created_at for row in newest[9::10]]
-    assert len(pages) == len(newest) // 10 + 1
+    # Each page read the next ten tasks; a page whose ten reach the oldest task is the last.
+    floors = [newest[i].created_at for i in range(9, len(newest) - 1, 10)]
+    assert [page.searched_to for page in pages[:-1]] == floors
+    assert len(pages) == len(floors) + 1
     assert pages[-1].searched_to is None
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_a_read_that_reaches_the_oldest_task_ends_the_list_without_an_empty_page(
+    shared: Shared, extra: int
+) -> None:
+    with shared.engine.connect() as connection:
+        total = len(matching(connection, TaskFilters()))
+        page = task_page(
+            connection, TaskFilters(name="no.such.task"), scan_limit=total + extra
+        )
+
+    assert page.tasks == ()
+    assert page.next_cursor is None
+    assert page.searched_to is None
+
+
+def test_one_task_short_of_the_oldest_the_read_stops_and_offers_the_rest(shared: Shared) -> None:
+    with shared.engine.connect() as connection:
+        everything = matching(connection, TaskFilters())
+        page = task_page(
+            connection, TaskFilters(name="no.such.task"), scan_limit=len(everything) - 1
+        )
+        rest = task_page(connection, TaskFilters(), limit=5, after=page.next_cursor)
+
+    assert page.next_cursor is not None
+    assert [task.id for task in rest.tasks] == everything[-1:]
 
 
 def test_a_page_that_finds_a_full_page_before_the_scan_limit_is_not_marked_searched(
@@ -187,13 +215,70 @@ def test_a_filtered_page_walks_the_created_index_and_stops_at_the_scan_limit(
 
     assert page.tasks == ()
     assert page.searched_to is not None
-    # Two statements: the bounded, filtered read, then the last row it read (the cursor).
+    # Two statements: the floor of the range (the scan limit's worth of index entries, and one
+    # more to know whether older tasks exist), then the filtered read of that range.
     assert len(plans) == 2
+    floor, read = plans
+    assert "Index Only Scan Backward using ix_tasks_created" in floor, floor
     for plan in plans:
         assert "Seq Scan" not in plan, plan
-        assert "Sort" not in plan, plan
-        walked = re.search(r"ix_tasks_created on tasks \(actual rows=(\d+) loops=1\)", plan)
-        assert walked is not None, plan
-        # The scan limit's worth of index entries, not the 20,000 rows of the table.
-        assert int(walked.group(1)) == 1000, plan
-    assert "Backward" in plans[0]
+        assert "ix_tasks_created" in plan, plan
+        # Never more than the range: not the 20,000 rows of the table.
+        examined = [int(n) for n in re.findall(r"(?:actual rows=|Removed by Filter: )(\d+)", plan)]
+        assert max(examined) <= 1001, plan
+    assert sum(int(n) for n in re.findall(r"Removed by Filter: (\d+)", read)) <= 1000, read
+
+
+def _tasks_one_second_apart(engine: Engine, names: list[str]) -> list[uuid.UUID]:
+    """Tasks named ``names``, the first the newest, one second apart; their ids, newest first."""
+    with engine.begin() as connection:
+        connection.execute(text(
+            "INSERT INTO pgtask.tasks (queue, name, payload, created_at) "
+            "SELECT 'q', name, '{}', statement_timestamp() - interval '1 hour'"
+            " - make_interval(secs => i) FROM unnest(CAST(:names AS text[])) "
+            "WITH ORDINALITY AS n(name, i)"
+        ), {"names": names})
+        return list(connection.scalars(
+            select(Task.id).order_by(Task.created_at.desc(), Task.id.desc())
+        ))
+
+
+@pytest.mark.parametrize(
+    ("change", "hits_at"),
+    [
+        # Retention deletes the three newest tasks: a page that counted rows would now end
+        # three rows lower, past the matches just below its read.
+        ("delete", [10, 11, 12]),
+        # Three tasks are enqueued: a page that counted rows would end three rows higher and
+        # the next page would read the matches at its bottom again.
+        ("insert", [7, 8, 9]),
+    ],
+)
+def test_pages_under_read_committed_never_skip_or_repeat_when_others_commit_in_between(
+    pgtask_engine: Engine, change: str, hits_at: list[int]
+) -> None:
+    names = ["hit" if i in hits_at else "other" for i in range(30)]
+    ids = _tasks_one_second_apart(pgtask_engine, names)
+    executed: list[str] = []
+
+    def meanwhile(conn: Any, cursor: Any, statement: str, params: Any, *_: Any) -> None:
+        executed.append(statement)
+        if len(executed) != 2:  # just before the first page's second statement
+            return
+        with pgtask_engine.begin() as other:
+            if change == "delete":
+                other.execute(delete(Task).where(Task.id.in_(ids[:3])))
+            else:
+                other.execute(text(
+                    "INSERT INTO pgtask.tasks (queue, name, payload)"
+                    " SELECT 'q', 'other', '{}' FROM generate_series(1, 3)"
+                ))
+
+    with pgtask_engine.connect().execution_options(
+        isolation_level="READ COMMITTED"
+    ) as connection:
+        event.listen(connection, "before_cursor_execute", meanwhile)
+        pages = walk(connection, TaskFilters(name="hit"), limit=5, scan_limit=10)
+
+    assert len(executed) >= 2
+    assert [task.id for page in pages for task in page.tasks] == [ids[i] for i in hits_at]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 from sqlalchemy import create_engine, text
+from sqlalchemy.exc import IntegrityError
 
 from sqlalchemy_pgtask import Registry, RetryPolicy, TaskContext, WorkerOptions
 from sqlalchemy_pgtask.migrations import head_revision, upgrade
@@ -66,3 +68,39 @@ def test_the_task_list_index_built_concurrently_beforehand_is_kept_by_the_upgrad
         engine.dispose()
     assert after == before
     assert version == head_revision()
+
+
+def test_an_invalid_task_list_index_left_by_a_failed_concurrent_build_is_rebuilt(
+    pgtask_empty_database_url: str,
+) -> None:
+    url = pgtask_empty_database_url
+    upgrade(url, "pgtask_0006")
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(
+                "INSERT INTO pgtask.tasks (queue, name, payload, created_at)"
+                " SELECT 'q', 'job', '{}', timestamptz '2026-01-01' FROM generate_series(1, 2)"
+            ))
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            # A concurrent build that fails (here: two equal keys under UNIQUE) leaves an
+            # invalid index of that name behind, of another definition too.
+            with pytest.raises(IntegrityError):
+                conn.execute(text(
+                    "CREATE UNIQUE INDEX CONCURRENTLY ix_tasks_created ON pgtask.tasks (created_at)"
+                ))
+            left = conn.execute(text(
+                "SELECT indisvalid FROM pg_index"
+                " WHERE indexrelid = 'pgtask.ix_tasks_created'::regclass"
+            )).scalar_one()
+        upgrade(url)
+        with engine.connect() as conn:
+            valid, definition = conn.execute(text(
+                "SELECT indisvalid, pg_get_indexdef(indexrelid) FROM pg_index"
+                " WHERE indexrelid = 'pgtask.ix_tasks_created'::regclass"
+            )).one()
+    finally:
+        engine.dispose()
+    assert left is False
+    assert valid is True
+    assert definition.endswith("USING btree (created_at, id)")
