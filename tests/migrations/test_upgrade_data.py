@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import NamedTuple
+
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import Connection, Engine, create_engine, text
 from sqlalchemy.exc import IntegrityError
 
 from sqlalchemy_pgtask import Registry, RetryPolicy, TaskContext, WorkerOptions
@@ -41,66 +44,68 @@ async def test_a_policy_frozen_before_max_attempts_was_frozen_still_lets_its_wor
     assert frozen == 3
 
 
+class IndexState(NamedTuple):
+    oid: int
+    valid: bool
+    definition: str
+
+
+def task_list_index(conn: Connection) -> IndexState:
+    """The catalog's view of ``pgtask.ix_tasks_created``."""
+    row = conn.execute(text(
+        "SELECT indexrelid::int, indisvalid, pg_get_indexdef(indexrelid) FROM pg_index"
+        " WHERE indexrelid = 'pgtask.ix_tasks_created'::regclass"
+    )).one()
+    return IndexState(*row)
+
+
+@pytest.fixture
+def engine_at_0006(pgtask_empty_database_url: str) -> Iterator[Engine]:
+    """An engine on a database at ``pgtask_0006``, the revision before the task list index."""
+    upgrade(pgtask_empty_database_url, "pgtask_0006")
+    engine = create_engine(pgtask_empty_database_url)
+    yield engine
+    engine.dispose()
+
+
 def test_the_task_list_index_built_concurrently_beforehand_is_kept_by_the_upgrade(
-    pgtask_empty_database_url: str,
+    engine_at_0006: Engine,
 ) -> None:
-    url = pgtask_empty_database_url
-    upgrade(url, "pgtask_0006")
-    engine = create_engine(url)
-    try:
-        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            # What docs tell operators of a large table to run before upgrading.
-            conn.execute(text(
-                "CREATE INDEX CONCURRENTLY ix_tasks_created ON pgtask.tasks (created_at, id)"
-            ))
-            before = conn.execute(
-                text("SELECT 'pgtask.ix_tasks_created'::regclass::oid")
-            ).scalar_one()
-        upgrade(url)
-        with engine.connect() as conn:
-            after = conn.execute(
-                text("SELECT 'pgtask.ix_tasks_created'::regclass::oid")
-            ).scalar_one()
-            version = conn.execute(
-                text("SELECT version_num FROM pgtask.alembic_version")
-            ).scalar_one()
-    finally:
-        engine.dispose()
+    with engine_at_0006.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        # What docs tell operators of a large table to run before upgrading.
+        conn.execute(text(
+            "CREATE INDEX CONCURRENTLY ix_tasks_created ON pgtask.tasks (created_at, id)"
+        ))
+        before = task_list_index(conn)
+    upgrade(engine_at_0006)
+    with engine_at_0006.connect() as conn:
+        after = task_list_index(conn)
+        version = conn.execute(text("SELECT version_num FROM pgtask.alembic_version")).scalar()
+
     assert after == before
     assert version == head_revision()
 
 
 def test_an_invalid_task_list_index_left_by_a_failed_concurrent_build_is_rebuilt(
-    pgtask_empty_database_url: str,
+    engine_at_0006: Engine,
 ) -> None:
-    url = pgtask_empty_database_url
-    upgrade(url, "pgtask_0006")
-    engine = create_engine(url)
-    try:
-        with engine.begin() as conn:
+    with engine_at_0006.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO pgtask.tasks (queue, name, payload, created_at)"
+            " SELECT 'q', 'job', '{}', timestamptz '2026-01-01' FROM generate_series(1, 2)"
+        ))
+    with engine_at_0006.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        # A concurrent build that fails (here: two equal keys under UNIQUE) leaves an invalid
+        # index of that name behind, of another definition too.
+        with pytest.raises(IntegrityError):
             conn.execute(text(
-                "INSERT INTO pgtask.tasks (queue, name, payload, created_at)"
-                " SELECT 'q', 'job', '{}', timestamptz '2026-01-01' FROM generate_series(1, 2)"
+                "CREATE UNIQUE INDEX CONCURRENTLY ix_tasks_created ON pgtask.tasks (created_at)"
             ))
-        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            # A concurrent build that fails (here: two equal keys under UNIQUE) leaves an
-            # invalid index of that name behind, of another definition too.
-            with pytest.raises(IntegrityError):
-                conn.execute(text(
-                    "CREATE UNIQUE INDEX CONCURRENTLY ix_tasks_created ON pgtask.tasks (created_at)"
-                ))
-            left = conn.execute(text(
-                "SELECT indisvalid FROM pg_index"
-                " WHERE indexrelid = 'pgtask.ix_tasks_created'::regclass"
-            )).scalar_one()
-        upgrade(url)
-        with engine.connect() as conn:
-            valid, definition = conn.execute(text(
-                "SELECT indisvalid, pg_get_indexdef(indexrelid) FROM pg_index"
-                " WHERE indexrelid = 'pgtask.ix_tasks_created'::regclass"
-            )).one()
-    finally:
-        engine.dispose()
-    assert left is False
-    assert valid is True
-    assert definition.endswith("USING btree (created_at, id)")
+        left = task_list_index(conn)
+    upgrade(engine_at_0006)
+    with engine_at_0006.connect() as conn:
+        rebuilt = task_list_index(conn)
+
+    assert not left.valid
+    assert rebuilt.valid
+    assert rebuilt.definition.endswith("USING btree (created_at, id)")
