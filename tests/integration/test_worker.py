@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import Counter
 from datetime import timedelta
 from typing import Any
 
@@ -1039,9 +1040,15 @@ async def test_an_idle_worker_does_not_busy_poll(pgtask_async_engine: AsyncEngin
         window_start = time.monotonic()
         await asyncio.sleep(1.5)  # the measurement window, not a synchronisation
         window = [s for t, s in executed if t >= window_start]
-    # Recovery (every lease/3) and the heartbeat: about two a second, plus the tail of the
-    # other maintenance services' first passes (schedules, retention); a busy loop is hundreds.
-    assert len(window) <= 12, [s.split()[0:3] for s in window]
+    # A busy loop repeats one statement hundreds of times. The periodic services repeat theirs
+    # at most about twice here (recovery every lease/3, the heartbeat every second), and the
+    # maintenance services' first passes (schedules, retention, idempotency keys) run once
+    # each but may land in the window on a slow machine, so count repeats per statement.
+    repeats = Counter(window)
+    assert max(repeats.values(), default=0) <= 3, [
+        (s.split()[0:4], n) for s, n in repeats.most_common(3)
+    ]
+    assert len(window) <= 40, [s.split()[0:3] for s in window]
 
 
 async def test_a_delayed_task_runs_at_its_database_run_at_without_waiting_for_the_poll(
