@@ -24,6 +24,7 @@ from sqlalchemy_pgtask._connection import (
     async_bind,
     async_connection_of,
     connection_of,
+    driver_sql,
     sync_bind,
     translated_errors,
 )
@@ -62,7 +63,11 @@ def _execute(bind: Session | Connection, plan: Plan) -> list[EnqueueResult]:
             return [EnqueueResult(row.id, True) for row in plan.rows]
         statement, params = next(steps)
         while True:
-            result = connection.execute(statement, params)
+            sql = driver_sql(connection, statement)
+            if sql is None:
+                result = connection.execute(statement, params)
+            else:
+                result = connection.exec_driver_sql(sql, params)
             try:
                 statement, params = steps.send(result.all() if result.returns_rows else None)
             except StopIteration as done:
@@ -78,7 +83,11 @@ async def _execute_async(bind: AsyncSession | AsyncConnection, plan: Plan) -> li
             return [EnqueueResult(row.id, True) for row in plan.rows]
         statement, params = next(steps)
         while True:
-            result = await connection.execute(statement, params)
+            sql = driver_sql(connection, statement)
+            if sql is None:
+                result = await connection.execute(statement, params)
+            else:
+                result = await connection.exec_driver_sql(sql, params)
             try:
                 statement, params = steps.send(result.all() if result.returns_rows else None)
             except StopIteration as done:

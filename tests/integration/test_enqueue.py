@@ -27,6 +27,8 @@ from sqlalchemy_pgtask import (
     enqueue_many,
     enqueue_many_async,
 )
+from sqlalchemy_pgtask._connection import driver_sql
+from sqlalchemy_pgtask.statements import ENQUEUE_BATCH, ENQUEUE_ONE, ENQUEUE_PLAIN
 from sqlalchemy_pgtask.testing import DatabaseClock
 from tests.support.engines import statements_of
 from tests.support.urls import libpq_url
@@ -591,3 +593,127 @@ def test_a_key_taken_over_by_a_concurrent_producer_returns_its_task_not_the_expi
     assert results["first"].created
     assert results["first"].id != old
     assert results["second"] == (results["first"].id, False)
+
+
+# -- the single enqueue's statement ---------------------------------------------------------
+
+
+def test_a_task_with_every_option_default_is_sent_with_four_parameters_and_stores_defaults(
+    pgtask_engine: Engine, pgtask_clock: DatabaseClock
+) -> None:
+    pgtask_clock.advance(86_400)  # run_at must follow pgtask.now(), not the column default
+    sent: list[tuple[str, Any]] = []
+    event.listen(
+        pgtask_engine, "before_cursor_execute", lambda c, cur, s, p, *a: sent.append((s, p))
+    )
+    with pgtask_engine.connect() as connection:
+        result = enqueue(connection, "plain", {"a": 1})
+        database_now = connection.execute(text("SELECT pgtask.now()")).scalar_one()
+        connection.commit()
+    statement, parameters = sent[0]
+    assert statement.startswith("INSERT INTO pgtask.tasks")
+    assert sorted(parameters) == ["id", "name", "payload", "queue"]
+    with Session(pgtask_engine) as session:
+        task = session.get_one(Task, result.id)
+    assert (task.queue, task.name, task.version, task.payload, task.headers) == (
+        "default", "plain", 1, {"a": 1}, {},
+    )
+    assert (task.priority, task.max_attempts, task.timeout_seconds) == (0, None, None)
+    # Database time a day ahead, within the two statements' distance.
+    assert timedelta(0) <= database_now - task.run_at < timedelta(seconds=30)
+    assert task.run_at - task.created_at == timedelta(days=1)
+
+
+@pytest.mark.parametrize(
+    "option",
+    [{"version": 2}, {"priority": 1}, {"max_attempts": 3}, {"headers": {"h": "v"}},
+     {"delay": 60}, {"timeout": 5.0}, {"idempotency_key": "k"}],
+    ids=lambda option: next(iter(option)),
+)
+def test_a_task_with_any_option_set_is_sent_with_it(
+    pgtask_engine: Engine, option: dict[str, Any]
+) -> None:
+    sent: list[Any] = []
+    event.listen(pgtask_engine, "before_cursor_execute", lambda c, cur, s, p, *a: sent.append(p))
+    with Session(pgtask_engine) as session:
+        task_id = enqueue(session, "t", None, **option).id
+        session.commit()
+        task = session.get_one(Task, task_id)
+    name = next(iter(option))
+    stored = {
+        "version": task.version, "priority": task.priority, "max_attempts": task.max_attempts,
+        "headers": task.headers, "timeout": task.timeout_seconds,
+        "idempotency_key": task.idempotency_key,
+        "delay": (task.run_at - task.created_at).total_seconds(),
+    }[name]
+    assert stored == option[name]
+    assert len(sent[0]) > 4
+
+
+def test_the_single_enqueue_keeps_events_echo_and_sqlalchemys_own_text(
+    pgtask_database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Sent as pre-compiled text, the statement must still reach every observer a compiled
+    # one does (cursor events, echo logging) with the text SQLAlchemy itself would send.
+    engine = create_engine(pgtask_database_url, echo=True)
+    try:
+        seen = statements_of(engine)
+        with engine.connect() as c:
+            plain = {"id": uuid.uuid4(), "queue": "q", "name": "t", "payload": "1"}
+            c.execute(ENQUEUE_PLAIN, plain)
+            one = {
+                **plain, "id": uuid.uuid4(), "version": 1, "headers": "{}", "priority": 5,
+                "max_attempts": None, "run_at": None, "delay": 0.0, "timeout_seconds": None,
+            }
+            c.execute(ENQUEUE_ONE, one)
+            c.rollback()
+            expected = list(seen)
+            seen.clear()
+            caplog.clear()
+            enqueue(c, "t", {"a": 1})
+            enqueue(c, "t", {"a": 1}, priority=5)
+            c.commit()
+    finally:
+        engine.dispose()
+    assert len(expected) == 2
+    assert seen == expected
+    logged = [r.getMessage() for r in caplog.records if r.name == "sqlalchemy.engine.Engine"]
+    assert [m for m in logged if m.startswith("INSERT INTO pgtask.tasks")] == expected
+
+
+def test_a_single_enqueue_on_a_lost_connection_invalidates_it_as_sqlalchemy_would(
+    pgtask_engine: Engine,
+) -> None:
+    with pgtask_engine.connect() as victim:
+        pid = victim.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        victim.commit()
+        with pgtask_engine.connect() as killer:
+            killer.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        with pytest.raises(DBAPIError) as caught:
+            enqueue(victim, "t")
+        assert caught.value.connection_invalidated
+        assert victim.invalidated
+    # The pool handed out a fresh connection afterwards.
+    with pgtask_engine.connect() as connection:
+        enqueue(connection, "t")
+        connection.commit()
+    assert task_count(pgtask_engine) == 1
+
+
+def test_a_schema_translate_map_makes_the_single_enqueue_compile_again(
+    pgtask_engine: Engine,
+) -> None:
+    with pgtask_engine.connect() as connection:
+        assert driver_sql(connection, ENQUEUE_PLAIN) is not None
+        # Array parameters need SQLAlchemy's bind processing: those always compile.
+        assert driver_sql(connection, ENQUEUE_BATCH) is None
+        translated = connection.execution_options(schema_translate_map={None: "public"})
+        assert driver_sql(translated, ENQUEUE_PLAIN) is None
+        contexts: list[Any] = []
+        event.listen(
+            translated, "before_cursor_execute", lambda c, cur, s, p, ctx, m: contexts.append(ctx)
+        )
+        enqueue(translated, "t")
+        assert contexts[0].compiled is not None
+        connection.commit()
+    assert task_count(pgtask_engine) == 1
