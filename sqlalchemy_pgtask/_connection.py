@@ -201,16 +201,24 @@ def driver_sql(connection: Connection | AsyncConnection, statement: Executable) 
 
     A hot statement sent as this text with `exec_driver_sql` skips SQLAlchemy's per-execution
     compile-cache lookup and bind processing (about a third of a single enqueue's client CPU)
-    while keeping everything a caller can observe: events, echo, error wrapping, autobegin and
-    invalidation on a lost connection. Only for psycopg (its named ``pyformat`` parameters take
-    the same dictionary) and statements whose parameters need no conversion on the way; never
-    under a ``schema_translate_map``, which only compilation applies.
+    while keeping what a caller relies on: the cursor events, echo, error wrapping, autobegin
+    and invalidation on a lost connection. Only for psycopg (its named ``pyformat`` parameters
+    take the same dictionary) and statements whose every parameter is the caller's and needs
+    no conversion on the way; never under a ``schema_translate_map``, which only compilation
+    applies, nor on a connection with ``before_execute`` or ``after_execute`` listeners.
     """
     sync = connection.sync_connection if isinstance(connection, AsyncConnection) else connection
     if sync is None:
         return None
     dialect = sync.dialect
-    if dialect.driver != "psycopg" or sync.get_execution_options().get("schema_translate_map"):
+    if (
+        dialect.driver != "psycopg"
+        or sync.get_execution_options().get("schema_translate_map")
+        # exec_driver_sql does not take part in these two events (the cursor events fire
+        # either way): a caller listening to them keeps seeing every enqueue.
+        or sync.dispatch.before_execute
+        or sync.dispatch.after_execute
+    ):
         return None
     by_statement = _DRIVER_SQL.get(dialect)
     if by_statement is None:
@@ -230,11 +238,21 @@ _DRIVER_SQL: Final[weakref.WeakKeyDictionary[Dialect, dict[Executable, str | Non
 
 def _compiled_for_driver(statement: Executable, dialect: Dialect) -> str | None:
     compiled = statement.compile(dialect=dialect)  # type: ignore[attr-defined]
-    if dialect.paramstyle != "pyformat" or compiled.positiontup:
+    if (
+        dialect.paramstyle != "pyformat"
+        or compiled.positiontup
+        # Parameters the compiled path renames, or fills in from Python-side column defaults.
+        or compiled.escaped_bind_names
+        or compiled.insert_prefetch
+        or compiled.update_prefetch
+    ):
         return None
     for bind in compiled.binds.values():
         if (
-            bind.expanding
+            # A literal in the construct (``state="running"``) compiles to a parameter of its
+            # own, whose value only the compiled path supplies.
+            not bind.required
+            or bind.expanding
             or bind.literal_execute
             or bind.callable is not None
             or bind.type.dialect_impl(dialect).bind_processor(dialect) is not None

@@ -59,10 +59,6 @@ DEFAULT_QUEUE: Final = "default"
 #: How often a key left open by a concurrent transaction is looked at again before giving up.
 _KEY_ROUNDS: Final = 3
 
-#: A `TaskRow`'s fields from ``headers`` on when every option is its default: such a task is
-#: inserted by `statements.ENQUEUE_PLAIN`.
-_DEFAULT_OPTIONS: Final = ("{}", 0, None, None, None, 0.0, None)
-
 #: One statement to run and its parameters; the driver sends back its rows (None if it
 #: returns none).
 Step = tuple[Executable, Mapping[str, Any]]
@@ -219,7 +215,12 @@ class Plan(NamedTuple):
 
 
 def _plan_row(row: TaskRow) -> Plan:
-    if row.version == 1 and row[5:] == _DEFAULT_OPTIONS:
+    # Every option at its default (explicit defaults such as delay=0 included): the short form.
+    if (
+        row.version == 1 and row.headers == "{}" and row.priority == 0 and not row.delay
+        and row.max_attempts is None and row.timeout is None and row.run_at is None
+        and row.key is None
+    ):
         params = {"id": row.id, "queue": row.queue, "name": row.name, "payload": row.payload}
         return Plan(statements.ENQUEUE_PLAIN, params, [row], [0], returns_rows=False)
     if row.key is None:

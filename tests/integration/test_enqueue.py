@@ -10,7 +10,22 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, create_engine, delete, event, func, select, text, update
+from sqlalchemy import (
+    Column,
+    Engine,
+    Integer,
+    MetaData,
+    Table,
+    bindparam,
+    create_engine,
+    delete,
+    event,
+    func,
+    insert,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
@@ -624,10 +639,26 @@ def test_a_task_with_every_option_default_is_sent_with_four_parameters_and_store
     assert task.run_at - task.created_at == timedelta(days=1)
 
 
+def test_options_given_at_their_defaults_still_take_the_four_parameter_form(
+    pgtask_engine: Engine,
+) -> None:
+    sent: list[Any] = []
+    event.listen(pgtask_engine, "before_cursor_execute", lambda c, cur, s, p, *a: sent.append(p))
+    with pgtask_engine.connect() as connection:
+        enqueue(
+            connection, "t", None, version=1, priority=0, delay=0, headers={},
+            max_attempts=None, timeout=None, idempotency_key=None, run_at=None,
+        )
+        enqueue(connection, "t", None, delay=timedelta(0))
+        connection.commit()
+    assert [sorted(p) for p in sent] == [["id", "name", "payload", "queue"]] * 2
+
+
 @pytest.mark.parametrize(
     "option",
     [{"version": 2}, {"priority": 1}, {"max_attempts": 3}, {"headers": {"h": "v"}},
-     {"delay": 60}, {"timeout": 5.0}, {"idempotency_key": "k"}],
+     {"delay": 60}, {"timeout": 5.0}, {"idempotency_key": "k"},
+     {"run_at": datetime(2031, 5, 17, 8, 30, tzinfo=timezone.utc)}],
     ids=lambda option: next(iter(option)),
 )
 def test_a_task_with_any_option_set_is_sent_with_it(
@@ -644,7 +675,7 @@ def test_a_task_with_any_option_set_is_sent_with_it(
         "version": task.version, "priority": task.priority, "max_attempts": task.max_attempts,
         "headers": task.headers, "timeout": task.timeout_seconds,
         "idempotency_key": task.idempotency_key,
-        "delay": (task.run_at - task.created_at).total_seconds(),
+        "delay": (task.run_at - task.created_at).total_seconds(), "run_at": task.run_at,
     }[name]
     assert stored == option[name]
     assert len(sent[0]) > 4
@@ -658,6 +689,10 @@ def test_the_single_enqueue_keeps_events_echo_and_sqlalchemys_own_text(
     engine = create_engine(pgtask_database_url, echo=True)
     try:
         seen = statements_of(engine)
+        contexts: list[Any] = []
+        event.listen(
+            engine, "before_cursor_execute", lambda c, cur, s, p, ctx, m: contexts.append(ctx)
+        )
         with engine.connect() as c:
             plain = {"id": uuid.uuid4(), "queue": "q", "name": "t", "payload": "1"}
             c.execute(ENQUEUE_PLAIN, plain)
@@ -669,6 +704,7 @@ def test_the_single_enqueue_keeps_events_echo_and_sqlalchemys_own_text(
             c.rollback()
             expected = list(seen)
             seen.clear()
+            contexts.clear()
             caplog.clear()
             enqueue(c, "t", {"a": 1})
             enqueue(c, "t", {"a": 1}, priority=5)
@@ -677,8 +713,30 @@ def test_the_single_enqueue_keeps_events_echo_and_sqlalchemys_own_text(
         engine.dispose()
     assert len(expected) == 2
     assert seen == expected
+    # Sent as text (nothing compiled per execution), yet logged as the construct would be.
+    assert [ctx.compiled for ctx in contexts] == [None, None]
     logged = [r.getMessage() for r in caplog.records if r.name == "sqlalchemy.engine.Engine"]
     assert [m for m in logged if m.startswith("INSERT INTO pgtask.tasks")] == expected
+
+
+def test_before_and_after_execute_listeners_keep_seeing_every_single_enqueue(
+    pgtask_engine: Engine,
+) -> None:
+    executed: list[tuple[str, Any]] = []
+    event.listen(
+        pgtask_engine, "before_execute", lambda c, clause, *a: executed.append(("before", clause))
+    )
+    event.listen(
+        pgtask_engine, "after_execute", lambda c, clause, *a: executed.append(("after", clause))
+    )
+    with pgtask_engine.connect() as connection:
+        enqueue(connection, "t", {"a": 1})
+        enqueue(connection, "t", {"a": 1}, priority=5)
+        connection.commit()
+    assert executed == [
+        ("before", ENQUEUE_PLAIN), ("after", ENQUEUE_PLAIN),
+        ("before", ENQUEUE_ONE), ("after", ENQUEUE_ONE),
+    ]
 
 
 def test_a_single_enqueue_on_a_lost_connection_invalidates_it_as_sqlalchemy_would(
@@ -705,8 +763,19 @@ def test_a_schema_translate_map_makes_the_single_enqueue_compile_again(
 ) -> None:
     with pgtask_engine.connect() as connection:
         assert driver_sql(connection, ENQUEUE_PLAIN) is not None
-        # Array parameters need SQLAlchemy's bind processing: those always compile.
+        # Array parameters need SQLAlchemy's bind processing, and a literal in the construct
+        # is a parameter only the compiled path fills in: those always compile.
         assert driver_sql(connection, ENQUEUE_BATCH) is None
+        literal = update(Task).values(state="running").where(Task.id == bindparam("id"))
+        assert driver_sql(connection, literal) is None
+        # So is a parameter SQLAlchemy renames, and one filled in from a Python-side default.
+        assert driver_sql(connection, select(bindparam("a.b", type_=Integer))) is None
+        python_default = Table(
+            "elsewhere", MetaData(), Column("id", Integer, primary_key=True),
+            Column("n", Integer, default=1),
+        )
+        insert_one = insert(python_default).values(id=bindparam("id", type_=Integer))
+        assert driver_sql(connection, insert_one) is None
         translated = connection.execution_options(schema_translate_map={None: "public"})
         assert driver_sql(translated, ENQUEUE_PLAIN) is None
         contexts: list[Any] = []

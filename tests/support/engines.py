@@ -3,7 +3,8 @@
 * `engine_for` opens an engine on a URL for the body of a ``with`` and disposes of it after.
 * `statements_of` records every statement an engine sends from now on.
 * `executions_of` records every time an engine has run one given statement object (one of
-  ``sqlalchemy_pgtask.statements``, say).
+  ``sqlalchemy_pgtask.statements``, say) through the compiled path; the single enqueue's
+  statements go to the driver as text and are never seen here.
 """
 
 from __future__ import annotations
