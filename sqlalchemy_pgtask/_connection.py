@@ -22,14 +22,12 @@ from __future__ import annotations
 import contextlib
 import re
 import uuid
-import weakref
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any, Final
 
 import psycopg
 from sqlalchemy import Connection, Engine
-from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import (
     AsyncConnection,
@@ -38,7 +36,6 @@ from sqlalchemy.ext.asyncio import (
     async_scoped_session,
 )
 from sqlalchemy.orm import Session, scoped_session
-from sqlalchemy.sql.base import Executable
 
 from sqlalchemy_pgtask._asyncio import bounded
 from sqlalchemy_pgtask.errors import (
@@ -64,7 +61,6 @@ __all__ = [
     "async_engine",
     "async_session",
     "connection_of",
-    "driver_sql",
     "listening_connection",
     "listening_connection_sync",
     "parse_task_id",
@@ -194,71 +190,6 @@ async def async_connection_of(
     if isinstance(target, AsyncSession):
         return await target.connection(bind_arguments=_BIND_ARGUMENTS)
     return target
-
-
-def driver_sql(connection: Connection | AsyncConnection, statement: Executable) -> str | None:
-    """``statement`` compiled once for ``connection``'s driver, or None where that is unsafe.
-
-    A hot statement sent as this text with `exec_driver_sql` skips SQLAlchemy's per-execution
-    compile-cache lookup and bind processing (about a third of a single enqueue's client CPU)
-    while keeping what a caller relies on: the cursor events, echo, error wrapping, autobegin
-    and invalidation on a lost connection. Only for psycopg (its named ``pyformat`` parameters
-    take the same dictionary) and statements whose every parameter is the caller's and needs
-    no conversion on the way; never under a ``schema_translate_map``, which only compilation
-    applies, nor on a connection with ``before_execute`` or ``after_execute`` listeners.
-    """
-    sync = connection.sync_connection if isinstance(connection, AsyncConnection) else connection
-    if sync is None:
-        return None
-    dialect = sync.dialect
-    if (
-        dialect.driver != "psycopg"
-        or sync.get_execution_options().get("schema_translate_map")
-        # exec_driver_sql does not take part in these two events (the cursor events fire
-        # either way): a caller listening to them keeps seeing every enqueue.
-        or sync.dispatch.before_execute
-        or sync.dispatch.after_execute
-    ):
-        return None
-    by_statement = _DRIVER_SQL.get(dialect)
-    if by_statement is None:
-        by_statement = _DRIVER_SQL[dialect] = {}
-    try:
-        return by_statement[statement]
-    except KeyError:
-        text = by_statement[statement] = _compiled_for_driver(statement, dialect)
-        return text
-
-
-#: `driver_sql`'s texts per dialect (one per engine) and statement; None: not safe to send so.
-_DRIVER_SQL: Final[weakref.WeakKeyDictionary[Dialect, dict[Executable, str | None]]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _compiled_for_driver(statement: Executable, dialect: Dialect) -> str | None:
-    compiled = statement.compile(dialect=dialect)  # type: ignore[attr-defined]
-    if (
-        dialect.paramstyle != "pyformat"
-        or compiled.positiontup
-        # Parameters the compiled path renames, or fills in from Python-side column defaults.
-        or compiled.escaped_bind_names
-        or compiled.insert_prefetch
-        or compiled.update_prefetch
-    ):
-        return None
-    for bind in compiled.binds.values():
-        if (
-            # A literal in the construct (``state="running"``) compiles to a parameter of its
-            # own, whose value only the compiled path supplies.
-            not bind.required
-            or bind.expanding
-            or bind.literal_execute
-            or bind.callable is not None
-            or bind.type.dialect_impl(dialect).bind_processor(dialect) is not None
-        ):
-            return None
-    return str(compiled.string)
 
 
 def parse_task_id(value: object, field: str = "task_id") -> uuid.UUID:

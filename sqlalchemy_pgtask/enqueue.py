@@ -24,10 +24,10 @@ from sqlalchemy_pgtask._connection import (
     async_bind,
     async_connection_of,
     connection_of,
-    driver_sql,
     sync_bind,
     translated_errors,
 )
+from sqlalchemy_pgtask._driver_sql import driver_sql
 from sqlalchemy_pgtask._enqueue_copy import copy_rows_async, copy_rows_sync
 from sqlalchemy_pgtask._enqueue_plan import (
     DEFAULT_QUEUE,

@@ -42,7 +42,7 @@ from sqlalchemy_pgtask import (
     enqueue_many,
     enqueue_many_async,
 )
-from sqlalchemy_pgtask._connection import driver_sql
+from sqlalchemy_pgtask._driver_sql import driver_sql
 from sqlalchemy_pgtask.statements import ENQUEUE_BATCH, ENQUEUE_ONE, ENQUEUE_PLAIN
 from sqlalchemy_pgtask.testing import DatabaseClock
 from tests.support.engines import statements_of
