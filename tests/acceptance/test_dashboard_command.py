@@ -73,10 +73,10 @@ class DashboardProcess:
         except httpx2.TransportError:
             return False
 
-    def stop(self) -> int:
-        """SIGTERM, wait; SIGKILL if it would not stop. The exit code (reaped either way)."""
+    def stop(self, signum: int = signal.SIGTERM) -> int:
+        """``signum``, wait; SIGKILL if it would not stop. The exit code (reaped either way)."""
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.process.send_signal(signum)
             try:
                 self.process.wait(STOP_TIMEOUT)
             except subprocess.TimeoutExpired:
@@ -221,12 +221,15 @@ def test_the_served_dashboard_lets_a_logged_in_operator_pause_a_queue_and_refuse
     assert "Finished server process" in dashboard.log()
 
 
-def test_sigterm_stops_the_dashboard_command_with_exit_code_0(
-    dashboards: Callable[..., DashboardProcess], seeded: Database
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_or_sigint_stops_the_dashboard_command_with_exit_code_0(
+    dashboards: Callable[..., DashboardProcess], seeded: Database, signum: int
 ) -> None:
+    # SIGINT is Ctrl-C in a terminal: the same graceful stop, exit code 0, no traceback.
     dashboard = dashboards(seeded.url)
 
-    code = dashboard.stop()
+    code = dashboard.stop(signum)
 
     assert not dashboard.killed, dashboard.describe()
     assert code == 0, dashboard.describe()
+    assert "Traceback" not in dashboard.log()
