@@ -786,3 +786,28 @@ def test_a_schema_translate_map_makes_the_single_enqueue_compile_again(
         assert contexts[0].compiled is not None
         connection.commit()
     assert task_count(pgtask_engine) == 1
+
+
+def test_repeated_single_enqueues_run_a_prepared_generic_plan_not_a_fresh_one(
+    pgtask_engine: Engine,
+) -> None:
+    # The "no statement that is re-planned each time": psycopg prepares a statement
+    # it has run a few times on a connection, and PostgreSQL then settles on a generic plan.
+    with pgtask_engine.connect() as connection:
+        for i in range(20):
+            enqueue(connection, "t", i)
+            enqueue(connection, "t", i, priority=1)
+            connection.commit()
+        prepared = connection.execute(text(
+            "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements"
+            " WHERE statement LIKE 'INSERT INTO pgtask.tasks %'"
+        )).all()
+    # The server sees psycopg's $n placeholders: compare the column lists.
+    assert sorted(row.statement.partition(" VALUES")[0] for row in prepared) == sorted(
+        str(statement.compile(dialect=pgtask_engine.dialect)).partition(" VALUES")[0]
+        for statement in (ENQUEUE_PLAIN, ENQUEUE_ONE)
+    )
+    for row in prepared:
+        # At most PostgreSQL's five trial custom plans; every later execution reused one plan.
+        assert row.custom_plans <= 5, row
+        assert row.generic_plans >= 5, row
