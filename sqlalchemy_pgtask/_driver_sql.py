@@ -1,31 +1,57 @@
 """_driver_sql: hot statements sent to psycopg as text compiled once; no I/O of its own.
 
 `Connection.execute` of a construct looks up its compiled form and processes every parameter
-on each execution: for a single enqueue, much of SQLAlchemy's cost per statement. A statement
-whose parameters are all the caller's and need no conversion can go to the driver as the same
-text with `Connection.exec_driver_sql` instead, which still fires the cursor events, echoes,
-wraps errors, begins the transaction and invalidates a lost connection.
+on each execution: for a single enqueue or a worker's claim, much of SQLAlchemy's cost per
+statement. A statement whose parameters need no conversion on the way can go to the driver as
+the same text with `Connection.exec_driver_sql` instead, which still fires the cursor events,
+echoes, wraps errors, begins the transaction and invalidates a lost connection.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Final
+from collections.abc import Mapping
+from typing import Any, Final, NamedTuple
 
-from sqlalchemy import Connection
+from sqlalchemy import Boolean, Connection, CursorResult
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql.base import Executable
+from sqlalchemy.sql.elements import BindParameter
 
-__all__ = ["driver_sql"]
+__all__ = ["DriverStatement", "driver_statement", "execute", "execute_async"]
 
 
-def driver_sql(connection: Connection | AsyncConnection, statement: Executable) -> str | None:
+class DriverStatement(NamedTuple):
+    """A statement as the driver gets it: its text, and how to complete the caller's values."""
+
+    sql: str
+    #: Values of the construct's own literals (``state="running"``), which compile to
+    #: parameters of their own.
+    literals: Mapping[str, Any]
+    #: Array parameters: sent as lists, as SQLAlchemy would (psycopg adapts lists, not tuples).
+    arrays: tuple[str, ...]
+
+    def parameters(self, params: Mapping[str, Any]) -> Mapping[str, Any]:
+        if not self.literals and not self.arrays:
+            return params
+        merged = {**self.literals, **params}
+        for key in self.arrays:
+            value = merged.get(key)
+            if value is not None and type(value) is not list:
+                merged[key] = list(value)
+        return merged
+
+
+def driver_statement(
+    connection: Connection | AsyncConnection, statement: Executable
+) -> DriverStatement | None:
     """``statement`` compiled once for ``connection``'s driver, or None where that is unsafe.
 
     Only for psycopg (its named ``pyformat`` parameters take the same dictionary) and for
-    statements whose every parameter is the caller's and needs no conversion on the way; never
-    under a ``schema_translate_map``, which only compilation applies, nor on a connection with
+    statements whose parameters need no conversion but lists for arrays; never under a
+    ``schema_translate_map``, which only compilation applies, nor on a connection with
     ``before_execute`` or ``after_execute`` listeners, which `exec_driver_sql` skips.
     """
     sync = connection.sync_connection if isinstance(connection, AsyncConnection) else connection
@@ -35,28 +61,48 @@ def driver_sql(connection: Connection | AsyncConnection, statement: Executable) 
     if (
         dialect.driver != "psycopg"
         or sync.get_execution_options().get("schema_translate_map")
-        # A caller listening to these two events keeps seeing every enqueue.
+        # A caller listening to these two events keeps seeing every statement.
         or sync.dispatch.before_execute
         or sync.dispatch.after_execute
     ):
         return None
-    by_statement = _DRIVER_SQL.get(dialect)
+    by_statement = _COMPILED.get(dialect)
     if by_statement is None:
-        by_statement = _DRIVER_SQL[dialect] = {}
+        by_statement = _COMPILED[dialect] = {}
     try:
         return by_statement[statement]
     except KeyError:
-        text = by_statement[statement] = _compiled_for_driver(statement, dialect)
-        return text
+        prepared = by_statement[statement] = _compiled_for_driver(statement, dialect)
+        return prepared
 
 
-#: `driver_sql`'s texts per dialect (one per engine) and statement; None: not safe to send so.
-_DRIVER_SQL: Final[weakref.WeakKeyDictionary[Dialect, dict[Executable, str | None]]] = (
+def execute(
+    connection: Connection, statement: Executable, params: Mapping[str, Any]
+) -> CursorResult[Any]:
+    """``connection.execute(statement, params)``, as text compiled once where that is safe."""
+    prepared = driver_statement(connection, statement)
+    if prepared is None:
+        return connection.execute(statement, params)
+    return connection.exec_driver_sql(prepared.sql, prepared.parameters(params))
+
+
+async def execute_async(
+    connection: AsyncConnection, statement: Executable, params: Mapping[str, Any]
+) -> CursorResult[Any]:
+    """`execute` on an `AsyncConnection`."""
+    prepared = driver_statement(connection, statement)
+    if prepared is None:
+        return await connection.execute(statement, params)
+    return await connection.exec_driver_sql(prepared.sql, prepared.parameters(params))
+
+
+#: `driver_statement`'s forms per dialect (one per engine) and statement; None: not safe.
+_COMPILED: Final[weakref.WeakKeyDictionary[Dialect, dict[Executable, DriverStatement | None]]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _compiled_for_driver(statement: Executable, dialect: Dialect) -> str | None:
+def _compiled_for_driver(statement: Executable, dialect: Dialect) -> DriverStatement | None:
     compiled = statement.compile(dialect=dialect)  # type: ignore[attr-defined]
     if (
         dialect.paramstyle != "pyformat"
@@ -67,15 +113,31 @@ def _compiled_for_driver(statement: Executable, dialect: Dialect) -> str | None:
         or compiled.update_prefetch
     ):
         return None
+    literals: dict[str, Any] = {}
+    arrays: list[str] = []
     for bind in compiled.binds.values():
-        if (
-            # A literal in the construct (``state="running"``) compiles to a parameter of its
-            # own, whose value only the compiled path supplies.
-            not bind.required
-            or bind.expanding
-            or bind.literal_execute
-            or bind.callable is not None
-            or bind.type.dialect_impl(dialect).bind_processor(dialect) is not None
-        ):
+        if bind.expanding or bind.literal_execute or bind.callable is not None:
             return None
-    return str(compiled.string)
+        name = compiled.bind_names[bind]
+        if not bind.required:
+            literals[name] = bind.effective_value
+        kind = _conversion(bind, dialect)
+        if kind == "array":
+            arrays.append(name)
+        elif kind is not None:
+            return None
+    return DriverStatement(str(compiled.string), literals, tuple(arrays))
+
+
+def _conversion(bind: BindParameter[Any], dialect: Dialect) -> str | None:
+    """None: the value goes as it is; "array": as a list; anything else: it needs SQLAlchemy."""
+    impl = bind.type.dialect_impl(dialect)
+    if impl.bind_processor(dialect) is None:
+        return None
+    if isinstance(impl, ARRAY) and impl.dimensions in (None, 1):
+        item = impl.item_type.dialect_impl(dialect)
+        # SQLAlchemy's processor only makes it a list; a Boolean item's only checks that it
+        # is a bool, which psycopg sends as one (the library's own arrays hold only bools).
+        if item.bind_processor(dialect) is None or isinstance(item, Boolean):
+            return "array"
+    return "processed"

@@ -27,7 +27,7 @@ from sqlalchemy_pgtask._connection import (
     sync_bind,
     translated_errors,
 )
-from sqlalchemy_pgtask._driver_sql import driver_sql
+from sqlalchemy_pgtask._driver_sql import execute, execute_async
 from sqlalchemy_pgtask._enqueue_copy import copy_rows_async, copy_rows_sync
 from sqlalchemy_pgtask._enqueue_plan import (
     DEFAULT_QUEUE,
@@ -63,11 +63,7 @@ def _execute(bind: Session | Connection, plan: Plan) -> list[EnqueueResult]:
             return [EnqueueResult(row.id, True) for row in plan.rows]
         statement, params = next(steps)
         while True:
-            sql = driver_sql(connection, statement)
-            if sql is None:
-                result = connection.execute(statement, params)
-            else:
-                result = connection.exec_driver_sql(sql, params)
+            result = execute(connection, statement, params)
             try:
                 statement, params = steps.send(result.all() if result.returns_rows else None)
             except StopIteration as done:
@@ -83,11 +79,7 @@ async def _execute_async(bind: AsyncSession | AsyncConnection, plan: Plan) -> li
             return [EnqueueResult(row.id, True) for row in plan.rows]
         statement, params = next(steps)
         while True:
-            sql = driver_sql(connection, statement)
-            if sql is None:
-                result = await connection.execute(statement, params)
-            else:
-                result = await connection.exec_driver_sql(sql, params)
+            result = await execute_async(connection, statement, params)
             try:
                 statement, params = steps.send(result.all() if result.returns_rows else None)
             except StopIteration as done:

@@ -31,6 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask._asyncio import bounded
+from sqlalchemy_pgtask._driver_sql import execute_async
 from sqlalchemy_pgtask.outcome import Outcome, WriteKind, error_document
 from sqlalchemy_pgtask.statements import Lease
 from sqlalchemy_pgtask.states import RUNNING
@@ -203,9 +204,12 @@ async def _execute(
     leases = [item.attempt.lease for item in group]
     if kind == "complete":
         results = [item.outcome.document or "null" for item in group]
-        rows = await conn.execute(statements.COMPLETE, statements.complete_params(leases, results))
+        rows = await execute_async(
+            conn, statements.COMPLETE, statements.complete_params(leases, results)
+        )
     elif kind == "fail":
-        rows = await conn.execute(
+        rows = await execute_async(
+            conn,
             statements.FAIL,
             statements.fail_params(
                 leases,
@@ -214,7 +218,8 @@ async def _execute(
             ),
         )
     else:
-        rows = await conn.execute(
+        rows = await execute_async(
+            conn,
             statements.RELEASE,
             statements.release_params(leases, [item.outcome.delay or 0.0 for item in group]),
         )

@@ -27,6 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask._asyncio import first
+from sqlalchemy_pgtask._driver_sql import execute_async
 from sqlalchemy_pgtask.statements import CapabilityParams, Lease
 from sqlalchemy_pgtask.worker._attempts import AttemptBook
 from sqlalchemy_pgtask.worker._executor import Executor
@@ -119,7 +120,8 @@ class Producer:
             sent = time.monotonic()
             try:
                 rows = (
-                    await conn.execute(
+                    await execute_async(
+                        conn,
                         claim,
                         statements.claim_params(
                             self._capabilities, worker_id=self._worker_id,
@@ -142,7 +144,7 @@ class Producer:
                 statements.SECONDS_UNTIL_DUE_GOVERNED if self._governed
                 else statements.SECONDS_UNTIL_DUE
             )
-            seconds = (await conn.execute(until_due, self._capabilities)).scalar_one()
+            seconds = (await execute_async(conn, until_due, self._capabilities)).scalar_one()
         return False, None if seconds is None else float(seconds)
 
     async def hand_back_unknown(self) -> None:

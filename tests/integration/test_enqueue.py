@@ -16,6 +16,8 @@ from sqlalchemy import (
     Integer,
     MetaData,
     Table,
+    Uuid,
+    any_,
     bindparam,
     create_engine,
     delete,
@@ -26,6 +28,7 @@ from sqlalchemy import (
     text,
     update,
 )
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
@@ -42,8 +45,8 @@ from sqlalchemy_pgtask import (
     enqueue_many,
     enqueue_many_async,
 )
-from sqlalchemy_pgtask._driver_sql import driver_sql
-from sqlalchemy_pgtask.statements import ENQUEUE_BATCH, ENQUEUE_ONE, ENQUEUE_PLAIN
+from sqlalchemy_pgtask._driver_sql import driver_statement, execute
+from sqlalchemy_pgtask.statements import ENQUEUE_ONE, ENQUEUE_PLAIN
 from sqlalchemy_pgtask.testing import DatabaseClock
 from tests.support.engines import statements_of
 from tests.support.urls import libpq_url
@@ -762,22 +765,9 @@ def test_a_schema_translate_map_makes_the_single_enqueue_compile_again(
     pgtask_engine: Engine,
 ) -> None:
     with pgtask_engine.connect() as connection:
-        assert driver_sql(connection, ENQUEUE_PLAIN) is not None
-        # Array parameters need SQLAlchemy's bind processing, and a literal in the construct
-        # is a parameter only the compiled path fills in: those always compile.
-        assert driver_sql(connection, ENQUEUE_BATCH) is None
-        literal = update(Task).values(state="running").where(Task.id == bindparam("id"))
-        assert driver_sql(connection, literal) is None
-        # So is a parameter SQLAlchemy renames, and one filled in from a Python-side default.
-        assert driver_sql(connection, select(bindparam("a.b", type_=Integer))) is None
-        python_default = Table(
-            "elsewhere", MetaData(), Column("id", Integer, primary_key=True),
-            Column("n", Integer, default=1),
-        )
-        insert_one = insert(python_default).values(id=bindparam("id", type_=Integer))
-        assert driver_sql(connection, insert_one) is None
+        assert driver_statement(connection, ENQUEUE_PLAIN) is not None
         translated = connection.execution_options(schema_translate_map={None: "public"})
-        assert driver_sql(translated, ENQUEUE_PLAIN) is None
+        assert driver_statement(translated, ENQUEUE_PLAIN) is None
         contexts: list[Any] = []
         event.listen(
             translated, "before_cursor_execute", lambda c, cur, s, p, ctx, m: contexts.append(ctx)
@@ -786,6 +776,36 @@ def test_a_schema_translate_map_makes_the_single_enqueue_compile_again(
         assert contexts[0].compiled is not None
         connection.commit()
     assert task_count(pgtask_engine) == 1
+
+
+def test_driver_text_fills_in_literals_and_lists_and_leaves_the_rest_to_sqlalchemy(
+    pgtask_engine: Engine,
+) -> None:
+    with pgtask_engine.connect() as connection:
+        ids = [enqueue(connection, "t").id for _ in range(3)]
+        # A literal in the construct (priority=7) compiles to a parameter of its own, and an
+        # array parameter given as a tuple must reach psycopg as a list, as SQLAlchemy sends it.
+        bump = update(Task).values(priority=7).where(
+            Task.id == any_(bindparam("ids", type_=ARRAY(Uuid)))
+        )
+        prepared = driver_statement(connection, bump)
+        assert prepared is not None
+        assert list(prepared.literals.values()) == [7]
+        assert prepared.arrays == ("ids",)
+        assert execute(connection, bump, {"ids": tuple(ids[:2])}).rowcount == 2
+        priorities = dict(connection.execute(select(Task.id, Task.priority)).all())
+        connection.commit()
+        # Parameters SQLAlchemy renames, fills in from a Python-side default or converts
+        # (JSON serialised by SQLAlchemy) keep the compiled path.
+        assert driver_statement(connection, select(bindparam("a.b", type_=Integer))) is None
+        python_default = Table(
+            "elsewhere", MetaData(), Column("id", Integer, primary_key=True),
+            Column("n", Integer, default=1),
+        )
+        insert_one = insert(python_default).values(id=bindparam("id", type_=Integer))
+        assert driver_statement(connection, insert_one) is None
+        assert driver_statement(connection, select(bindparam("doc", type_=JSONB))) is None
+    assert priorities == {ids[0]: 7, ids[1]: 7, ids[2]: 0}
 
 
 def test_repeated_single_enqueues_run_a_prepared_generic_plan_not_a_fresh_one(

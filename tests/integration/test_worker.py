@@ -1016,6 +1016,45 @@ async def test_shutdown_drains_a_handler_that_finishes_within_the_grace_period(
     assert (late["state"], late["attempt"]) == ("pending", 0)
 
 
+async def test_claims_and_outcome_writes_go_to_the_driver_as_text_compiled_once(
+    pgtask_async_engine: AsyncEngine,
+) -> None:
+    registry = Registry()
+
+    @registry.task("echo", timeout=30.0)
+    async def echo(ctx: TaskContext, payload: dict[str, Any]) -> dict[str, Any]:
+        if payload["fail"]:
+            raise Fail("no")
+        return {"got": payload, "headers": ctx.headers}
+
+    ids = [
+        await add(pgtask_async_engine, "echo", {"i": i, "fail": i == 2}, headers={"h": str(i)})
+        for i in range(4)
+    ]
+    dialect = pgtask_async_engine.dialect
+    texts = {
+        str(statement.compile(dialect=dialect)): name
+        for name, statement in (
+            ("claim", statements.CLAIM), ("complete", statements.COMPLETE),
+            ("fail", statements.FAIL),
+        )
+    }
+    sent: list[tuple[str, Any]] = []
+    event.listen(
+        pgtask_async_engine.sync_engine, "before_cursor_execute",
+        lambda c, cur, text, p, ctx, m: sent.append((text, ctx.compiled)),
+    )
+    async with running_worker(registry, pgtask_async_engine, FAST):
+        rows = [await wait_for_state(pgtask_async_engine, task_id) for task_id in ids]
+    # The claimed row's JSON, headers, lease and time limit arrive decoded as before.
+    assert [row["state"] for row in rows] == ["succeeded", "succeeded", "failed", "succeeded"]
+    assert rows[0]["result"] == {"got": {"i": 0, "fail": False}, "headers": {"h": "0"}}
+    assert rows[2]["error"]["message"] == "no"
+    kinds = {texts[text]: compiled for text, compiled in sent if text in texts}
+    assert set(kinds) == {"claim", "complete", "fail"}
+    assert set(kinds.values()) == {None}  # sent as text, not compiled per execution
+
+
 # -- idleness and scheduling ---------------------------------------------------------------
 
 
