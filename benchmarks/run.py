@@ -401,7 +401,10 @@ def worker_command(bench: Bench, concurrency: int) -> list[str]:
 def worker_process(bench: Bench, concurrency: int, label: str) -> Iterator[subprocess.Popen[bytes]]:
     """Run one ``pgtask worker`` subprocess; stop it with SIGTERM (then harder) on exit."""
     log_path = bench.tasks_dir / f"{label}.r{bench.repeat_index}.log"
-    env = dict(os.environ, PYTHONPATH=str(bench.tasks_dir))
+    # The caller's PYTHONPATH stays after the tasks module's: an A/B run can point it at
+    # another checkout of the library.
+    path = os.pathsep.join(p for p in (str(bench.tasks_dir), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path)
     if bench.cprofile is not None:
         bench.cprofile.mkdir(parents=True, exist_ok=True)
         env["PGTASK_BENCH_CPROFILE"] = str(
