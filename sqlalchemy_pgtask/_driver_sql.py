@@ -115,10 +115,10 @@ def _compiled_for_driver(statement: Executable, dialect: Dialect) -> DriverState
         return None
     literals: dict[str, Any] = {}
     arrays: list[str] = []
-    for bind in compiled.binds.values():
+    # Every parameter object, not one per name: objects sharing a name must each be safe.
+    for bind, name in compiled.bind_names.items():
         if bind.expanding or bind.literal_execute or bind.callable is not None:
             return None
-        name = compiled.bind_names[bind]
         if not bind.required:
             literals[name] = bind.effective_value
         kind = _conversion(bind, dialect)
@@ -136,8 +136,9 @@ def _conversion(bind: BindParameter[Any], dialect: Dialect) -> str | None:
         return None
     if isinstance(impl, ARRAY) and impl.dimensions in (None, 1):
         item = impl.item_type.dialect_impl(dialect)
-        # SQLAlchemy's processor only makes it a list; a Boolean item's only checks that it
-        # is a bool, which psycopg sends as one (the library's own arrays hold only bools).
+        # SQLAlchemy's processor only makes it a list (the library's arrays are flat: only the
+        # outer sequence is converted here); a Boolean item's only checks that it is a bool,
+        # which psycopg sends as one (RetryPolicy refuses a jitter that is not a bool).
         if item.bind_processor(dialect) is None or isinstance(item, Boolean):
             return "array"
     return "processed"

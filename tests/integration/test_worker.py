@@ -1050,9 +1050,10 @@ async def test_claims_and_outcome_writes_go_to_the_driver_as_text_compiled_once(
     assert [row["state"] for row in rows] == ["succeeded", "succeeded", "failed", "succeeded"]
     assert rows[0]["result"] == {"got": {"i": 0, "fail": False}, "headers": {"h": "0"}}
     assert rows[2]["error"]["message"] == "no"
-    kinds = {texts[text]: compiled for text, compiled in sent if text in texts}
-    assert set(kinds) == {"claim", "complete", "fail"}
-    assert set(kinds.values()) == {None}  # sent as text, not compiled per execution
+    kinds = [(texts[text], compiled) for text, compiled in sent if text in texts]
+    assert {kind for kind, _ in kinds} == {"claim", "complete", "fail"}
+    # Every one sent as text, not compiled per execution.
+    assert [compiled for _, compiled in kinds] == [None] * len(kinds)
 
 
 # -- idleness and scheduling ---------------------------------------------------------------
