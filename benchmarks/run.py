@@ -349,6 +349,16 @@ def drained_window(conn: psycopg.Connection[Any]) -> tuple[int, float]:
     return int(row[0]), float(row[1] or 0.0)
 
 
+def tasks_per_claim(conn: psycopg.Connection[Any]) -> float:
+    """Mean attempts per claim statement: the attempts one claim inserts share its
+    ``started_at`` (statement time)."""
+    row = conn.execute(
+        "SELECT count(*)::float8 / greatest(count(DISTINCT started_at), 1) FROM pgtask.attempts"
+    ).fetchone()
+    assert row is not None
+    return float(row[0])
+
+
 def _ticks() -> float:
     return float(os.sysconf("SC_CLK_TCK"))
 
@@ -673,6 +683,7 @@ def drain(
             worker_cpu = process_cpu(proc.pid) - worker_cpu0
             server_cpu = postgres_cpu() - server_cpu0
         succeeded, seconds = drained_window(conn)
+        per_claim = tasks_per_claim(conn)
     if succeeded != n:
         raise RuntimeError(f"{label}: {succeeded} of {n} succeeded\n{log_tail(bench, label)}")
     return {
@@ -680,6 +691,7 @@ def drain(
         "worker_cpu_us_per_task": worker_cpu / n * 1e6,
         "server_cpu_us_per_task": server_cpu / n * 1e6,
         "cpu_us_per_task": (worker_cpu + server_cpu) / n * 1e6,
+        "tasks_per_claim": per_claim,
     }
 
 

@@ -86,6 +86,12 @@ def _add_worker(commands: Any) -> None:
         help="handlers running at once (default: %(default)s)",
     )
     worker.add_argument(
+        "--prefetch", type=_int_between(0, 100_000), metavar="N",
+        default=worker_default("prefetch"),
+        help="most tasks claimed ahead of free slots while handlers finish fast; 0 claims "
+        "only for free slots (default: %(default)s)",
+    )
+    worker.add_argument(
         "--lease-duration", type=_seconds, metavar="SECONDS",
         default=worker_default("lease_duration"),
         help="lease length, renewed every third of it (default: %(default)s)",

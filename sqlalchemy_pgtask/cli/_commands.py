@@ -66,6 +66,7 @@ def worker(args: argparse.Namespace) -> int:
     options = WorkerOptions(
         queues=tuple(args.queue) if args.queue else None,
         concurrency=args.concurrency,
+        prefetch=args.prefetch,
         lease_duration=args.lease_duration,
         shutdown_grace=args.shutdown_grace,
         poll_interval=args.poll_interval,

@@ -2,9 +2,10 @@
 
 The book is the one piece of state the producer, executor, completer and lease keeper share.
 An attempt occupies a *slot* while its handler runs (at most ``concurrency``), and stays
-*active* until its outcome is written (so its lease keeps being renewed); at most another
-``concurrency`` finished attempts may wait for the writer, which is the claim loop's
-back-pressure on a slow database.
+*active* until its outcome is written (so its lease keeps being renewed); while ``backlog``
+finished attempts (``concurrency + prefetch``) wait for the writer, no handler starts: the
+claim loop's back-pressure on a slow database. A row claimed ahead that is handed back
+without running is active, holding no slot, until its release is written.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,8 +58,10 @@ class ActiveAttempt:
 class AttemptBook:
     """Active attempts by task id, the slots in use, and the events that announce changes."""
 
-    def __init__(self, concurrency: int, changed: asyncio.Event) -> None:
+    def __init__(self, concurrency: int, changed: asyncio.Event, *, backlog: int) -> None:
         self.concurrency = concurrency
+        #: Most finished attempts that may wait for their outcome to be written.
+        self.backlog = backlog
         self.active: dict[uuid.UUID, ActiveAttempt] = {}
         #: Attempts whose handler has not finished: the slots in use.
         self.unsettled = 0
@@ -66,15 +70,28 @@ class AttemptBook:
         self.changed = changed
         #: Told what the loops sharing this book do, for traces and metrics.
         self.observer: Observer = NO_OBSERVER
+        #: Told the monotonic time of each handler's end.
+        self.on_settle: Callable[[float], None] | None = None
 
     def free_slots(self) -> int:
         return min(
-            self.concurrency - self.unsettled, 2 * self.concurrency - len(self.active)
+            self.concurrency - self.unsettled,
+            self.concurrency + self.backlog - len(self.active),
         )
+
+    def writer_behind(self) -> bool:
+        """The backlog of outcomes to write, not the handlers, holds back what may start."""
+        return len(self.active) - self.unsettled >= self.backlog
 
     def add(self, attempt: ActiveAttempt) -> None:
         self.active[attempt.task_id] = attempt
         self.unsettled += 1
+
+    def hold(self, attempt: ActiveAttempt) -> None:
+        """Renew the lease of a settled attempt that never ran (a hand-back of a row claimed
+        ahead) until its outcome is written."""
+        attempt.settled = True
+        self.active[attempt.task_id] = attempt
 
     def settle(self, attempt: ActiveAttempt) -> None:
         """The handler finished: its slot is free; its outcome still has to be written."""
@@ -82,6 +99,8 @@ class AttemptBook:
             attempt.settled = True
             self.unsettled -= 1
             self.changed.set()
+            if self.on_settle is not None:
+                self.on_settle(time.monotonic())
             if attempt.timer is not None:
                 attempt.timer.cancel()
 

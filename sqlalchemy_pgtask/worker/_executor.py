@@ -133,7 +133,41 @@ class Executor:
         #: (they left the book's active attempts when their lease went).
         self._handles: set[asyncio.Task[None]] = set()
 
-    def start(self, row: Row[Any], sent: float) -> None:
+    def start(self, row: Row[Any], sent: float, *, waited: float = 0.0) -> None:
+        """Run the handler of claimed ``row`` (claim sent at monotonic ``sent``; it then
+        waited ``waited`` seconds for a slot)."""
+        attempt = self._attempt(row, sent)
+        ctx = attempt.ctx
+        loop = asyncio.get_running_loop()
+        ctx._durable = DurableAttempt(self._durable, attempt, loop)
+        self._book.add(attempt)
+        if row.time_limit is not None:
+            # The claim set the deadline at database time + the limit; the row arrived after
+            # that, so a local timer of the same length (less the wait for a slot) never
+            # fires early.
+            attempt.timer = loop.call_later(
+                max(0.0, row.time_limit - waited), self._time_out, attempt
+            )
+        if row.cancel_requested_at is not None:
+            ctx.request_stop("cancelled")
+        if logger.isEnabledFor(logging.INFO):
+            logger.info(
+                "task %s %s v%d attempt %d started", ctx.task_id, ctx.name, ctx.version,
+                ctx.attempt, extra=_extra(attempt),
+            )
+        handle = asyncio.create_task(self._execute(attempt), name=f"pgtask-{row.id}")
+        attempt.handle = handle
+        self._handles.add(handle)
+        handle.add_done_callback(self._handles.discard)
+
+    def hand_back(self, row: Row[Any], sent: float) -> None:
+        """Release claimed ``row`` without running it (through the outcome writer, whose
+        lease re-reads and retries every outcome gets; its lease is renewed meanwhile)."""
+        attempt = self._attempt(row, sent)
+        self._book.hold(attempt)
+        self._sink.submit(attempt, Outcome("release"))
+
+    def _attempt(self, row: Row[Any], sent: float) -> ActiveAttempt:
         definition = self._registry.get(row.queue, row.name, row.version)
         assert definition is not None, "claims are filtered by this registry's capabilities"
         context = TaskContext if definition.is_async else SyncTaskContext
@@ -148,7 +182,7 @@ class Executor:
             headers=dict(row.headers or {}),
             worker_id=self._worker_id,
         )
-        attempt = ActiveAttempt(
+        return ActiveAttempt(
             ctx=ctx,
             definition=definition,
             payload=row.payload,
@@ -156,24 +190,6 @@ class Executor:
             policy=RetryPolicy.from_row(row) or definition.retry,
             lease_sent_at=sent,
         )
-        loop = asyncio.get_running_loop()
-        ctx._durable = DurableAttempt(self._durable, attempt, loop)
-        self._book.add(attempt)
-        if row.time_limit is not None:
-            # The claim set the deadline at database time + the limit; the row arrived after
-            # that, so a local timer of the same length never fires early.
-            attempt.timer = loop.call_later(row.time_limit, self._time_out, attempt)
-        if row.cancel_requested_at is not None:
-            ctx.request_stop("cancelled")
-        if logger.isEnabledFor(logging.INFO):
-            logger.info(
-                "task %s %s v%d attempt %d started", ctx.task_id, ctx.name, ctx.version,
-                ctx.attempt, extra=_extra(attempt),
-            )
-        handle = asyncio.create_task(self._execute(attempt), name=f"pgtask-{row.id}")
-        attempt.handle = handle
-        self._handles.add(handle)
-        handle.add_done_callback(self._handles.discard)
 
     async def _execute(self, attempt: ActiveAttempt) -> None:
         ctx, definition = attempt.ctx, attempt.definition

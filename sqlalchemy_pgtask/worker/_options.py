@@ -67,6 +67,11 @@ class WorkerOptions:
     queues: tuple[str, ...] | None = None
     #: Most handlers running at once.
     concurrency: int = 10
+    #: Most tasks claimed ahead of free slots, to wait for one, while handlers finish fast:
+    #: as many as would start within 50 ms at the handlers' recent pace, each handed back if
+    #: it waited a second (see ``docs/worker.md``, "Claiming ahead"). 0: claim only for free
+    #: slots.
+    prefetch: int = 100
     #: How long a claim is valid without renewal; renewed every third of it. A handler whose
     #: lease could not be renewed is stopped (and its task handed back) at three quarters of
     #: it, before the lease can expire and another worker start the task again.
@@ -124,6 +129,14 @@ class WorkerOptions:
 
     def __post_init__(self) -> None:
         _count("concurrency", self.concurrency, 10_000)
+        if (
+            isinstance(self.prefetch, bool)
+            or not isinstance(self.prefetch, int)
+            or not 0 <= self.prefetch <= 100_000
+        ):
+            raise InvalidOptionError(
+                "prefetch", f"must be an int between 0 and 100000, got {self.prefetch!r}"
+            )
         _duration("lease_duration", self.lease_duration, low=0.3)
         _duration("poll_interval", self.poll_interval, low=0.001)
         _duration("heartbeat_interval", self.heartbeat_interval, low=0.01)

@@ -1,9 +1,14 @@
-"""worker._producer: the claim loop; claims up to the free slots and hands rows to the executor.
+"""worker._producer: the claim loop; claims for the free slots and hands rows to the executor.
 
 One statement claims across all the worker's queues; the claim commits before any handler
-runs. When fewer tasks were due than slots were free, the database says when the next one
-falls due (already, if a due row was locked by someone else: then it tries again shortly),
-and the loop sleeps until then, a notification, or the poll interval.
+runs. While handlers finish fast it claims ahead of the free slots (never for governed
+queues, whose claims spend rate-limit tokens), and the extra rows wait for a slot in
+`_prefetch`: handed back through the outcome writer if they wait too long, and when the
+worker stops. A row is out of the wait before its hand-back is sent, so it never starts
+after one.
+When fewer tasks were due than asked for, the database says when the next one falls due
+(already, if a due row was locked by someone else: then it tries again shortly), and the loop
+sleeps until then, a notification, or the poll interval.
 
 Queues with a rate limit or a starvation timeout are governed: the plain claim never serves
 them, and a longer claim that does is used while any of the worker's queues is governed. The
@@ -31,6 +36,7 @@ from sqlalchemy_pgtask._driver_sql import execute_async
 from sqlalchemy_pgtask.statements import CapabilityParams, Lease
 from sqlalchemy_pgtask.worker._attempts import AttemptBook
 from sqlalchemy_pgtask.worker._executor import Executor
+from sqlalchemy_pgtask.worker._prefetch import Prefetch
 from sqlalchemy_pgtask.worker._reconnect import Backoff, HeldConnection, brief, is_transient
 
 __all__ = ["Producer"]
@@ -39,6 +45,9 @@ logger = logging.getLogger("sqlalchemy_pgtask.worker")
 
 #: Seconds between looks at which of the worker's queues are governed.
 GOVERNED_REFRESH = 2.0
+#: A row claimed ahead starts only within this part of the lease after its claim was sent:
+#: its first renewal (within a third of the lease) then comes before the watchdog's limit.
+START_BEFORE = 0.4
 
 
 class Producer:
@@ -52,6 +61,7 @@ class Producer:
         capabilities: CapabilityParams,
         lease_seconds: float,
         poll_interval: float,
+        prefetch: int,
         wake: asyncio.Event,
         stopping: asyncio.Event,
     ) -> None:
@@ -69,18 +79,29 @@ class Producer:
         self._unknown_until = 0.0
         self._governed = False
         self._governed_checked = float("-inf")
+        self._prefetch = Prefetch(prefetch, lease_seconds)
+        #: The claim returns rows by priority; with several queues, earlier queues go first.
+        self._rank = {queue: i for i, queue in enumerate(capabilities["queues"])}
+        book.on_settle = self._prefetch.finished
 
     async def run(self) -> None:
         backoff = Backoff(cap=5.0)
         due_backoff = Backoff(base=0.001, cap=1.0)
         while not self._stopping.is_set():
             self._wake.clear()
-            free = self._book.free_slots()
-            if free <= 0:
-                await self._wake.wait()  # a freed slot, a notification or a stop sets it
+            free = self._start_waiting()
+            ahead = not (self._governed or self._book.writer_behind())
+            limit = self._prefetch.claim_size(free, time.monotonic(), ahead=ahead)
+            if limit <= 0:
+                # A freed slot, a notification or a stop sets the event.
+                until_stale = self._prefetch.until_stale(time.monotonic())
+                if until_stale is None:
+                    await self._wake.wait()
+                else:
+                    await first(self._wake.wait(), timeout=until_stale)
                 continue
             try:
-                full, seconds = await self._pass(free)
+                full, seconds = await self._pass(limit)
                 backoff.reset()
             except Exception as exc:
                 if not is_transient(exc):
@@ -90,7 +111,7 @@ class Producer:
                 await first(self._stopping.wait(), timeout=delay)
                 continue
             if full:
-                continue  # every free slot was filled: claim again once one frees up
+                continue  # as many as asked for: claim again once slots free up
             if seconds is None:
                 timeout = self._poll
             elif seconds <= 0:
@@ -99,12 +120,47 @@ class Producer:
             else:
                 due_backoff.reset()
                 timeout = max(0.001, min(self._poll, seconds))
+            until_stale = self._prefetch.until_stale(time.monotonic())
+            if until_stale is not None:
+                timeout = min(timeout, until_stale)
             logger.debug("idle: next claim within %.3fs", timeout)
             await first(self._wake.wait(), timeout=timeout)
+        self.hand_back_waiting()  # rows that never started go back at once, for others
 
-    async def _pass(self, free: int) -> tuple[bool, float | None]:
-        """Claim up to ``free``: whether all were filled, else seconds until the next is due
-        (None: nothing is scheduled)."""
+    def _start_waiting(self) -> int:
+        """Start waiting rows in the free slots, hand back stale ones; return the slots
+        still free."""
+        now = time.monotonic()
+        stale = self._prefetch.take_stale(now)
+        for waiting in stale:
+            self._executor.hand_back(waiting.row, waiting.sent)
+        if stale:
+            logger.info("handing back %d claimed task(s) that waited too long for a slot",
+                        len(stale))
+        free = self._book.free_slots()
+        if free <= 0 or not len(self._prefetch):
+            return free
+        for waiting in self._prefetch.take(free):
+            if now - waiting.sent >= self._lease * START_BEFORE:
+                # Its unrenewed lease has run too far for the first renewal to come before
+                # the watchdog's limit (the claim loop was held up): hand it back instead.
+                self._executor.hand_back(waiting.row, waiting.sent)
+            else:
+                self._executor.start(waiting.row, waiting.sent, waited=now - waiting.arrived)
+        return self._book.free_slots()
+
+    def hand_back_waiting(self) -> None:
+        """Hand back every row waiting for a slot (the worker stops): through the outcome
+        writer, which the stop waits for."""
+        rows = self._prefetch.take(len(self._prefetch))
+        for waiting in rows:
+            self._executor.hand_back(waiting.row, waiting.sent)
+        if rows:
+            logger.info("handing back %d claimed task(s) that never started", len(rows))
+
+    async def _pass(self, limit: int) -> tuple[bool, float | None]:
+        """Claim up to ``limit``: whether all were filled, else seconds until the next is
+        due (None: nothing is scheduled)."""
         async with self._connection.use() as conn:
             if self._unknown_until:
                 await self._hand_back_unknown(conn)
@@ -125,7 +181,7 @@ class Producer:
                         claim,
                         statements.claim_params(
                             self._capabilities, worker_id=self._worker_id,
-                            lease_seconds=self._lease, limit=free,
+                            lease_seconds=self._lease, limit=limit,
                         ),
                     )
                 ).all()
@@ -135,9 +191,15 @@ class Producer:
                 self._unknown_until = time.monotonic() + self._lease
                 raise
             self._book.observer.claimed(len(rows))
-            for row in rows:
+            if len(self._rank) > 1 and len(rows) > 1:
+                rows = sorted(rows, key=lambda row: self._rank[row.queue])  # priority kept
+            # Slots may have freed while the claim ran: fill them, the rest waits.
+            free = max(0, self._book.free_slots())
+            for row in rows[:free]:
                 self._executor.start(row, sent)
-            if len(rows) == free:
+            if len(rows) > free:
+                self._prefetch.add(rows[free:], sent, time.monotonic())
+            if len(rows) == limit:
                 return True, None
             await asyncio.sleep(0)  # let the new handlers start before asking
             until_due = (
@@ -158,7 +220,7 @@ class Producer:
         orphans = [
             lease
             for lease in (Lease(r.id, r.attempt, r.lease_token) for r in rows)
-            if not self._book.holds(lease)
+            if not self._book.holds(lease) and not self._prefetch.holds(lease)
         ]
         if orphans:
             released = (

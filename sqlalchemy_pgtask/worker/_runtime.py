@@ -129,7 +129,9 @@ class Worker:
             for d in served
         ]
         self._wake = asyncio.Event()
-        self._book = AttemptBook(options.concurrency, self._wake)
+        self._book = AttemptBook(
+            options.concurrency, self._wake, backlog=options.concurrency + options.prefetch
+        )
         self._stopping = asyncio.Event()
         self._immediate = asyncio.Event()
         self._ready = asyncio.Event()
@@ -154,10 +156,9 @@ class Worker:
         )
         self._producer = Producer(
             connection=self._connections["claim"], book=self._book, executor=self._executor,
-            worker_id=self.id,
-            capabilities=statements.capability_params(self.queues, capabilities),
-            lease_seconds=lease, poll_interval=options.poll_interval, wake=self._wake,
-            stopping=self._stopping,
+            worker_id=self.id, capabilities=statements.capability_params(self.queues, capabilities),
+            lease_seconds=lease, poll_interval=options.poll_interval, prefetch=options.prefetch,
+            wake=self._wake, stopping=self._stopping,
         )
         self._maintenance = MaintenanceRunner(
             self._connections["maintenance"], maintenance_services(options)
@@ -219,7 +220,8 @@ class Worker:
 
     @property
     def active_count(self) -> int:
-        """Attempts claimed and not yet recorded (at most twice the concurrency)."""
+        """Attempts started (or handed back) and not yet recorded; tasks claimed ahead and
+        still waiting for a slot are not counted."""
         return len(self._book.active)
 
     @property
@@ -320,6 +322,7 @@ class Worker:
             if not producer.done():
                 producer.cancel()  # a claim in flight; its outcome is swept below
                 await asyncio.gather(producer, return_exceptions=True)
+        self._producer.hand_back_waiting()  # now, not after the grace: waiting leases lapse
         if "heartbeat" in self._loops and not self._immediate.is_set():
             with contextlib.suppress(Exception):  # visible as draining at once, not at the end
                 await bounded(self._registration.heartbeat(), _STEP_TIMEOUT)

@@ -61,12 +61,23 @@ def test_worker_defaults_are_the_worker_options_defaults(app_dir: Path) -> None:
 
     for option, field in [
         ("--concurrency N", "concurrency"),
+        ("--prefetch N", "prefetch"),
         ("--lease-duration SECONDS", "lease_duration"),
         ("--shutdown-grace SECONDS", "shutdown_grace"),
         ("--poll-interval SECONDS", "poll_interval"),
     ]:
         described = help_text.split(option, 2)[2].split(" --", 1)[0]  # after the usage line
         assert f"(default: {defaults[field]})" in described, (option, described)
+
+
+@pytest.mark.parametrize("value", ["-1", "1.5", "ten", "100001"])
+def test_worker_refuses_a_prefetch_that_is_no_count_in_range(app_dir: Path, value: str) -> None:
+    result = run_cli(
+        "worker", "tasks_app:registry", f"--prefetch={value}", "--database-url",
+        closed_port_url(), cwd=app_dir,
+    )
+    _assert_user_error(result, "--prefetch", value)
+    assert result.returncode == 2
 
 
 @pytest.mark.parametrize("option", ["--lease-duration", "--shutdown-grace", "--poll-interval"])
