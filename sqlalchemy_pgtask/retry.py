@@ -146,13 +146,25 @@ class RetryPolicy:
     @classmethod
     def from_row(cls, row: PolicyRow) -> RetryPolicy | None:
         """The policy stored in ``row``'s ``retry_*`` columns, or None when none is stored."""
-        if row.retry_kind is None:
-            return None
-        kind: RetryKind = row.retry_kind  # type: ignore[assignment]  # the CHECK allows no other
-        return _stored_policy(
-            kind, row.retry_base_seconds, row.retry_factor, row.retry_max_seconds,
-            bool(row.retry_jitter),
+        return cls.stored(
+            row.retry_kind, row.retry_base_seconds, row.retry_factor, row.retry_max_seconds,
+            row.retry_jitter,
         )
+
+    @classmethod
+    def stored(
+        cls,
+        kind: str | None,
+        base_seconds: float | None,
+        factor: float | None,
+        max_seconds: float | None,
+        jitter: bool | None,
+    ) -> RetryPolicy | None:
+        """The policy stored as these ``retry_*`` column values, or None when none is."""
+        if kind is None:
+            return None
+        # The CHECK constraint allows no other kind.
+        return _stored_policy(kind, base_seconds, factor, max_seconds, bool(jitter))
 
     @staticmethod
     def as_arrays(policies: Sequence[RetryPolicy]) -> PolicyArrays:

@@ -15,14 +15,16 @@ import dataclasses
 import functools
 import inspect
 import logging
+import operator
 import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from sqlalchemy import Row
 
+from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask.context import StopReason, SyncTaskContext, TaskContext
 from sqlalchemy_pgtask.control import TaskCancelled
 from sqlalchemy_pgtask.outcome import Outcome, decide, one_line
@@ -97,6 +99,16 @@ def _deliver(future: asyncio.Future[tuple[bool, Any]], result: tuple[bool, Any])
         future.set_result(result)
 
 
+#: The claim's columns, by position (the claim returns these, then its two computed ones).
+_pick_claimed: Final = operator.itemgetter(*(
+    statements.CLAIMED_COLUMNS.index(column) for column in (
+        "id", "queue", "name", "version", "payload", "headers", "attempt", "failed_attempts",
+        "max_attempts", "lease_token", "retry_kind", "retry_base_seconds", "retry_factor",
+        "retry_max_seconds", "retry_jitter",
+    )
+))
+
+
 class OutcomeSink(Protocol):
     def submit(self, attempt: ActiveAttempt, outcome: Outcome) -> None: ...
 
@@ -168,26 +180,32 @@ class Executor:
         self._sink.submit(attempt, Outcome("release"))
 
     def _attempt(self, row: Row[Any], sent: float) -> ActiveAttempt:
-        definition = self._registry.get(row.queue, row.name, row.version)
+        # One positional pick, not a dozen attribute lookups (~0.3 us each), per claimed row.
+        (
+            task_id, queue, name, version, payload, headers, attempt, failed_attempts,
+            max_attempts, lease_token, kind, base_seconds, factor, max_seconds, jitter,
+        ) = _pick_claimed(row)
+        definition = self._registry.get(queue, name, version)
         assert definition is not None, "claims are filtered by this registry's capabilities"
         context = TaskContext if definition.is_async else SyncTaskContext
         ctx = context(
-            task_id=row.id,
-            name=row.name,
-            version=row.version,
-            queue=row.queue,
-            attempt=row.attempt,
-            failed_attempts=row.failed_attempts,
-            max_attempts=row.max_attempts,
-            headers=dict(row.headers or {}),
+            task_id=task_id,
+            name=name,
+            version=version,
+            queue=queue,
+            attempt=attempt,
+            failed_attempts=failed_attempts,
+            max_attempts=max_attempts,
+            headers=dict(headers or {}),
             worker_id=self._worker_id,
         )
+        policy = RetryPolicy.stored(kind, base_seconds, factor, max_seconds, jitter)
         return ActiveAttempt(
             ctx=ctx,
             definition=definition,
-            payload=row.payload,
-            lease=Lease(row.id, row.attempt, row.lease_token),
-            policy=RetryPolicy.from_row(row) or definition.retry,
+            payload=payload,
+            lease=Lease(task_id, attempt, lease_token),
+            policy=policy or definition.retry,
             lease_sent_at=sent,
         )
 

@@ -95,7 +95,7 @@ class Metrics:
         )
         self.duration = Histogram(
             "pgtask_attempt_duration_seconds",
-            "Seconds from the claim to the handler's end, by what the attempt led to.",
+            "Seconds from the handler's start to its end, by what the attempt led to.",
             (*_TASK, "outcome"), buckets=_DURATION_BUCKETS, registry=registry,
         )
         self.claim_batch = Histogram(

@@ -101,7 +101,7 @@ class Producer:
                     await first(self._wake.wait(), timeout=until_stale)
                 continue
             try:
-                full, seconds = await self._pass(limit)
+                full, seconds = await self._pass(limit, free)
                 backoff.reset()
             except Exception as exc:
                 if not is_transient(exc):
@@ -158,9 +158,9 @@ class Producer:
         if rows:
             logger.info("handing back %d claimed task(s) that never started", len(rows))
 
-    async def _pass(self, limit: int) -> tuple[bool, float | None]:
-        """Claim up to ``limit``: whether all were filled, else seconds until the next is
-        due (None: nothing is scheduled)."""
+    async def _pass(self, limit: int, free: int) -> tuple[bool, float | None]:
+        """Claim up to ``limit`` (``free`` of them for free slots): whether all were filled,
+        else seconds until the next is due (None: nothing is scheduled)."""
         async with self._connection.use() as conn:
             if self._unknown_until:
                 await self._hand_back_unknown(conn)
@@ -172,6 +172,10 @@ class Producer:
                 ).first()
                 self._governed = governed is not None
                 self._governed_checked = time.monotonic()
+                if self._governed:  # it just became so: nothing ahead of the free slots
+                    limit = free
+                    if limit <= 0:
+                        return True, None
             claim = statements.CLAIM_GOVERNED if self._governed else statements.CLAIM
             sent = time.monotonic()
             try:

@@ -24,6 +24,7 @@ from sqlalchemy_pgtask import (
     TaskContext,
     WorkerOptions,
     configure_queue,
+    enqueue_many,
     enqueue_many_async,
 )
 from sqlalchemy_pgtask.models import Attempt, Task
@@ -316,3 +317,49 @@ async def test_tasks_claimed_together_start_earlier_queues_first(
         await wait_until(lambda: len(started) == 240, 60, message="every task ran")
     assert max(await claim_sizes(pgtask_async_engine)) > 1  # claims spanned queues
     assert started == [q for q in queues for _ in range(80)]
+
+
+async def test_a_queue_that_becomes_governed_is_never_claimed_ahead(
+    pgtask_database_url: str,
+    pgtask_async_engine: AsyncEngine,
+    pgtask_engine: Engine,
+    long_horizon: None,
+) -> None:
+    """The claim loop learns that a queue is governed (here by a starvation timeout, which
+    has no token bucket to hold the first claim back) on a later pass, every
+    GOVERNED_REFRESH: the claim made on that pass must already keep to the free slots,
+    while the worker's other queue keeps handlers finishing fast."""
+    registry = Registry()
+    for queue in ("limited", "busy"):
+
+        @registry.task("step", queue=queue)
+        async def step(ctx: TaskContext, payload: int) -> None:
+            await asyncio.sleep(0.001)
+
+    async with pgtask_async_engine.begin() as conn:
+        await enqueue_many_async(
+            conn, [EnqueueRequest(name="step", queue="busy", payload=i) for i in range(6_000)]
+        )
+    options = WorkerOptions(queues=("limited", "busy"), concurrency=2, lease_duration=LEASE)
+    async with running_worker(registry, pgtask_database_url, options):
+        async def going() -> bool:
+            return (await states(pgtask_async_engine))["succeeded"] >= 200
+
+        await wait_until(going, 60, message="the worker got going")
+        with pgtask_engine.begin() as sync:  # due the moment the queue is governed
+            configure_queue(sync, "limited", starvation_timeout=600)
+            enqueue_many(
+                sync, [EnqueueRequest(name="step", queue="limited", payload=i) for i in range(300)]
+            )
+        await wait_until(lambda: all_succeeded(pgtask_async_engine), 120,
+                         message="every task succeeded")
+    async with pgtask_async_engine.connect() as conn:
+        sizes = (await conn.execute(
+            select(func.count())
+            .select_from(Attempt)
+            .join(Task, Task.id == Attempt.task_id)
+            .group_by(Attempt.started_at)
+            .having(func.bool_or(Task.queue == "limited"))
+        )).scalars().all()
+    assert sizes
+    assert max(sizes) <= 2, sorted(sizes)[-5:]
