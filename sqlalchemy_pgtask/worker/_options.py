@@ -32,9 +32,9 @@ def _duration(name: str, value: object, *, low: float, allow_zero: bool = False)
     return seconds
 
 
-def _count(name: str, value: object, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
-        raise InvalidOptionError(name, f"must be an int between 1 and {high}, got {value!r}")
+def _count(name: str, value: object, high: int, *, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidOptionError(name, f"must be an int between {low} and {high}, got {value!r}")
     return value
 
 
@@ -129,14 +129,7 @@ class WorkerOptions:
 
     def __post_init__(self) -> None:
         _count("concurrency", self.concurrency, 10_000)
-        if (
-            isinstance(self.prefetch, bool)
-            or not isinstance(self.prefetch, int)
-            or not 0 <= self.prefetch <= 100_000
-        ):
-            raise InvalidOptionError(
-                "prefetch", f"must be an int between 0 and 100000, got {self.prefetch!r}"
-            )
+        _count("prefetch", self.prefetch, 100_000, low=0)
         _duration("lease_duration", self.lease_duration, low=0.3)
         _duration("poll_interval", self.poll_interval, low=0.001)
         _duration("heartbeat_interval", self.heartbeat_interval, low=0.01)

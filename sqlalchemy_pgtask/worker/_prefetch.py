@@ -68,6 +68,9 @@ class Prefetch:
         self.max_wait = min(MAX_WAIT, lease_seconds / 4)
         #: In claim order: the claim returns the rows it took in the order it took them.
         self._waiting: collections.deque[Waiting] = collections.deque()
+        #: No waiting row is stale before this (a lower bound, made exact by `take_stale`):
+        #: most passes of the claim loop then look at no row at all.
+        self._earliest_stale = float("inf")
         #: Handlers finished per horizon-long bucket over the window (a ring).
         self._counts = [0] * _BUCKETS
         self._bucket = 0
@@ -123,6 +126,7 @@ class Prefetch:
                 self.max_wait, row.time_limit / 4
             )
             self._waiting.append(Waiting(row, sent, arrived, arrived + wait))
+            self._earliest_stale = min(self._earliest_stale, arrived + wait)
 
     def take(self, count: int) -> list[Waiting]:
         """Remove and return up to ``count`` waiting rows, oldest claim first."""
@@ -130,17 +134,19 @@ class Prefetch:
 
     def take_stale(self, now: float) -> list[Waiting]:
         """Remove and return the rows that are stale at ``now``."""
-        if not any(w.stale_at <= now for w in self._waiting):
+        if now < self._earliest_stale:
             return []
         stale = [w for w in self._waiting if w.stale_at <= now]
-        self._waiting = collections.deque(w for w in self._waiting if w.stale_at > now)
+        if stale:
+            self._waiting = collections.deque(w for w in self._waiting if w.stale_at > now)
+        self._earliest_stale = min((w.stale_at for w in self._waiting), default=float("inf"))
         return stale
 
     def until_stale(self, now: float) -> float | None:
-        """Seconds until the next row turns stale (None: nothing waits)."""
+        """Seconds until the next row may turn stale (None: nothing waits)."""
         if not self._waiting:
             return None
-        return max(0.0, min(w.stale_at for w in self._waiting) - now)
+        return max(0.0, self._earliest_stale - now)
 
     def holds(self, lease: Lease) -> bool:
         return any(w.lease == lease for w in self._waiting)

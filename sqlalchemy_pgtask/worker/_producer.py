@@ -36,7 +36,7 @@ from sqlalchemy_pgtask._driver_sql import execute_async
 from sqlalchemy_pgtask.statements import CapabilityParams, Lease
 from sqlalchemy_pgtask.worker._attempts import AttemptBook
 from sqlalchemy_pgtask.worker._executor import Executor
-from sqlalchemy_pgtask.worker._prefetch import Prefetch
+from sqlalchemy_pgtask.worker._prefetch import Prefetch, Waiting
 from sqlalchemy_pgtask.worker._reconnect import Backoff, HeldConnection, brief, is_transient
 
 __all__ = ["Producer"]
@@ -131,32 +131,31 @@ class Producer:
         """Start waiting rows in the free slots, hand back stale ones; return the slots
         still free."""
         now = time.monotonic()
-        stale = self._prefetch.take_stale(now)
-        for waiting in stale:
-            self._executor.hand_back(waiting.row, waiting.sent)
-        if stale:
-            logger.info("handing back %d claimed task(s) that waited too long for a slot",
-                        len(stale))
+        self._hand_back(self._prefetch.take_stale(now), "waited too long for a slot")
         free = self._book.free_slots()
         if free <= 0 or not len(self._prefetch):
             return free
+        too_old = []
         for waiting in self._prefetch.take(free):
             if now - waiting.sent >= self._lease * START_BEFORE:
                 # Its unrenewed lease has run too far for the first renewal to come before
                 # the watchdog's limit (the claim loop was held up): hand it back instead.
-                self._executor.hand_back(waiting.row, waiting.sent)
+                too_old.append(waiting)
             else:
                 self._executor.start(waiting.row, waiting.sent, waited=now - waiting.arrived)
+        self._hand_back(too_old, "its lease ran too far while it waited")
         return self._book.free_slots()
 
     def hand_back_waiting(self) -> None:
         """Hand back every row waiting for a slot (the worker stops): through the outcome
         writer, which the stop waits for."""
-        rows = self._prefetch.take(len(self._prefetch))
+        self._hand_back(self._prefetch.take(len(self._prefetch)), "the worker stops")
+
+    def _hand_back(self, rows: list[Waiting], why: str) -> None:
         for waiting in rows:
             self._executor.hand_back(waiting.row, waiting.sent)
         if rows:
-            logger.info("handing back %d claimed task(s) that never started", len(rows))
+            logger.info("handing back %d claimed task(s) that never started: %s", len(rows), why)
 
     async def _pass(self, limit: int, free: int) -> tuple[bool, float | None]:
         """Claim up to ``limit`` (``free`` of them for free slots): whether all were filled,
