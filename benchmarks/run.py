@@ -33,6 +33,8 @@ Workloads (``--quick`` shrinks the counts):
   task (per wake-up), the producer's enqueue included.
 * ``drain_c100_future`` and ``latency_future``: ``drain_c100_async`` and ``latency`` with
   200,000 more tasks in the queue due in an hour: future work must cost nothing.
+* ``enqueue_many_10kb`` and ``drain_c100_10kb``: ``enqueue_many`` and ``drain_c100_async`` of
+  5,000 tasks with ~10 KB payloads (order-like documents that TOAST compresses about 3x).
 
 Figures are medians over the repeats; ratios are computed within each repeat (same machine
 state) and their median is compared with the targets. The table is printed, then the JSON
@@ -92,6 +94,28 @@ QUEUE = "default"
 TASKS_MODULE = "pgtask_bench_tasks"
 #: Tasks due in an hour beside the due ones in the ``*_future`` workloads.
 FUTURE = 200_000
+#: Tasks in the ``*_10kb`` workloads (their payloads are ~10 KB each).
+LARGE = 5000
+
+
+def small_payload(i: int) -> dict[str, Any]:
+    return {"i": i}
+
+
+def large_payload(i: int) -> dict[str, Any]:
+    """A ~10 KB order-like document (varied, so it compresses as real JSON does, ~3x)."""
+    words = ("red", "blue", "large", "small", "boxed", "fragile", "gift", "express")
+    return {
+        "order": i,
+        "items": [
+            {
+                "sku": f"{(i * 7919 + n * 104729) % 16**12:012x}",
+                "qty": (i + n) % 9 + 1,
+                "note": " ".join(words[(i + n * k) % len(words)] for k in range(8)),
+            }
+            for n in range(108)
+        ],
+    }
 
 #: The worker's handlers. ``noop`` and ``noop_sync`` return ``time.time()`` taken when the
 #: handler starts (the latency workload reads it back as the task's result).
@@ -308,13 +332,15 @@ def reset(bench: Bench) -> None:
             conn.execute("CHECKPOINT")
 
 
-def preload(bench: Bench, count: int, name: str) -> None:
+def preload(
+    bench: Bench, count: int, name: str, payload: Callable[[int], Any] = small_payload
+) -> None:
     """Enqueue ``count`` tasks for ``name`` in batches of 1,000, then ANALYZE the table."""
     for start in range(0, count, 1000):
         with Session(bench.engine) as session:
             enqueue_many(
                 session,
-                [EnqueueRequest(name=name, payload={"i": i})
+                [EnqueueRequest(name=name, payload=payload(i))
                  for i in range(start, min(count, start + 1000))],
             )
             session.commit()
@@ -545,20 +571,24 @@ def enqueue_single_session(bench: Bench) -> dict[str, Any]:
     return _single_loop(bench, one)
 
 
-def enqueue_many_workload(bench: Bench) -> dict[str, Any]:
-    """`enqueue_many` in batches of ``many_batch``, each batch its own transaction."""
+def enqueue_many_workload(
+    bench: Bench, n: int | None = None, payload: Callable[[int], Any] = small_payload
+) -> dict[str, Any]:
+    """`enqueue_many` of ``n`` tasks (``many``) in batches of ``many_batch``, each batch its
+    own transaction; the payloads are built before the clock starts."""
     reset(bench)
-    n, batch = bench.config.many, bench.config.many_batch
+    n, batch = n or bench.config.many, bench.config.many_batch
     with Session(bench.engine) as session:  # warm the compiled cache and the pool
-        enqueue_many(session, [EnqueueRequest(name="noop", payload={"i": -1})])
+        enqueue_many(session, [EnqueueRequest(name="noop", payload=payload(-1))])
         session.commit()
+    payloads = [payload(i) for i in range(n)]
     start = time.perf_counter()
     cpu0 = time.process_time()
     for first in range(0, n, batch):
         with Session(bench.engine) as session:
             enqueue_many(
                 session,
-                [EnqueueRequest(name="noop", payload={"i": i})
+                [EnqueueRequest(name="noop", payload=payloads[i])
                  for i in range(first, min(n, first + batch))],
             )
             session.commit()
@@ -655,13 +685,14 @@ def add_future(bench: Bench, count: int, name: str) -> None:
 
 
 def drain(
-    bench: Bench, label: str, name: str, concurrency: int, future: int = 0
+    bench: Bench, label: str, name: str, concurrency: int, future: int = 0,
+    n: int | None = None, payload: Callable[[int], Any] = small_payload,
 ) -> dict[str, Any]:
-    """Pre-enqueue ``drain`` tasks for handler ``name`` (and ``future`` tasks due in an hour);
-    one worker drains the due ones."""
+    """Pre-enqueue ``n`` (``drain``) tasks for handler ``name`` (and ``future`` tasks due in
+    an hour); one worker drains the due ones."""
     reset(bench)
-    n = bench.config.drain
-    preload(bench, n, name)
+    n = n or bench.config.drain
+    preload(bench, n, name, payload)
     if future:
         add_future(bench, future, name)
     with psycopg.connect(bench.conninfo, autocommit=True) as conn:
@@ -771,6 +802,11 @@ WORKLOADS: dict[str, Callable[[Bench], dict[str, Any]]] = {
     # Future work costs nothing: the same with FUTURE tasks due in an hour in the queue.
     "drain_c100_future": lambda b: drain(b, "drain_c100_future", "noop", 100, FUTURE),
     "latency_future": lambda b: latency(b, FUTURE),
+    # Payloads of ~10 KB (TOAST-compressed), against the small ones of the same workloads.
+    "enqueue_many_10kb": lambda b: enqueue_many_workload(b, LARGE, large_payload),
+    "drain_c100_10kb": lambda b: drain(
+        b, "drain_c100_10kb", "noop", 100, n=LARGE, payload=large_payload
+    ),
 }
 
 
@@ -795,6 +831,8 @@ INFO = (
     ("baseline_claim_complete_b10 / baseline_claim_complete", "baseline_claim_complete_b10",
      "baseline_claim_complete"),
     ("drain_c100_sync / drain_c100_async", "drain_c100_sync", "drain_c100_async"),
+    ("enqueue_many_10kb / enqueue_many", "enqueue_many_10kb", "enqueue_many"),
+    ("drain_c100_10kb / drain_c100_async", "drain_c100_10kb", "drain_c100_async"),
 )
 
 TARGETS = (

@@ -271,7 +271,17 @@ _JSON_TOKEN: Final = re.compile(
 )
 # Python writes a float in exponent form as "1e+300" or "1.5e-07": text without a
 # digit-e-sign-digit run holds no such float, and skips the scan (the common case).
-_FLOAT_EXPONENT: Final = re.compile(r"\de[+-]\d")
+# Searched from the "e": a pattern that starts with a class is tried at every character
+# (~130 us for a 10 KB payload), one that starts with a literal jumps between its matches.
+_EXPONENT: Final = re.compile(r"e[+-]\d")
+
+
+def _has_exponent(text: str) -> bool:
+    for match in _EXPONENT.finditer(text):
+        at = match.start()
+        if at and text[at - 1] in "0123456789":
+            return True
+    return False
 
 
 def _numeric_text_length(sign: str, whole: str, fraction: str, exponent: int) -> int:
@@ -300,7 +310,7 @@ def jsonb_text_size(text: str) -> int:
     exactly (by a scan that runs only when the text has one).
     """
     size = len(text.encode("utf-8", "surrogatepass"))
-    if not _FLOAT_EXPONENT.search(text):
+    if not _has_exponent(text):
         return size
     for token in _JSON_TOKEN.finditer(text):
         sign, whole, fraction, exponent = token.groups()
@@ -341,7 +351,7 @@ def dump_json(field: str, value: object, max_bytes: int) -> str:
         except UnicodeEncodeError as exc:
             surrogate = exc
             size = len(text.encode("utf-8", "surrogatepass"))
-    if _FLOAT_EXPONENT.search(text):
+    if _has_exponent(text):
         size = jsonb_text_size(text)
     # Too large is reported before an unpaired surrogate: the size is the first thing a caller
     # with a bad payload needs to hear about, and it was reported first before the fast path.

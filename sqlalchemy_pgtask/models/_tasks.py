@@ -24,7 +24,6 @@ from sqlalchemy_pgtask.models._base import (
     FAST_AUTOVACUUM,
     NOW,
     Base,
-    name_check,
     positive_duration_check,
     quoted,
     retry_shape_check,
@@ -39,14 +38,7 @@ from sqlalchemy_pgtask.states import (
     AttemptState,
     TaskState,
 )
-from sqlalchemy_pgtask.validation import (
-    ERROR_MAX_BYTES,
-    HEADERS_MAX_BYTES,
-    PAYLOAD_MAX_BYTES,
-    QUEUE_NAME_MAX_BYTES,
-    RESULT_MAX_BYTES,
-    TASK_NAME_MAX_BYTES,
-)
+from sqlalchemy_pgtask.validation import ERROR_MAX_BYTES
 
 #: How a task's relations load when nothing asked for them: not at all. A lazy load would run
 #: a query wherever the attribute is first touched: unnoticed N+1 queries in a sync session,
@@ -70,8 +62,9 @@ class Task(Base):
     __tablename__ = "tasks"
     __table_args__ = (
         CheckConstraint(f"state IN ({quoted(TASK_STATES)})", name="state"),
-        CheckConstraint(name_check("queue", QUEUE_NAME_MAX_BYTES), name="queue"),
-        CheckConstraint(name_check("name", TASK_NAME_MAX_BYTES), name="name"),
+        # The names, payload, headers, result and error are checked by row triggers that
+        # fire only when those columns are written (revision pgtask_0008): PostgreSQL would
+        # evaluate a CHECK on every update, re-printing the jsonb each claim and completion.
         CheckConstraint("version > 0", name="version"),
         CheckConstraint("attempt >= 0", name="attempt"),
         CheckConstraint("failed_attempts >= 0 AND failed_attempts <= attempt", name="failed"),
@@ -88,17 +81,6 @@ class Task(Base):
             name="completed_at",
         ),
         CheckConstraint("parent_id IS NULL OR parent_id <> id", name="parent"),
-        CheckConstraint(size_check("payload", PAYLOAD_MAX_BYTES), name="payload_size"),
-        CheckConstraint(
-            f"jsonb_typeof(headers) = 'object' AND {size_check('headers', HEADERS_MAX_BYTES)}",
-            name="headers",
-        ),
-        CheckConstraint(
-            f"result IS NULL OR {size_check('result', RESULT_MAX_BYTES)}", name="result_size"
-        ),
-        CheckConstraint(
-            f"error IS NULL OR {size_check('error', ERROR_MAX_BYTES)}", name="error_size"
-        ),
         CheckConstraint(retry_shape_check(), name="retry_policy"),
         CheckConstraint(
             f"timeout_seconds IS NULL OR {positive_duration_check('timeout_seconds')}",

@@ -223,6 +223,16 @@ def test_a_payload_at_the_limit_as_jsonb_passes_and_one_byte_more_fails() -> Non
     assert caught.value.field == "payload"
 
 
+@pytest.mark.parametrize("decoy", ["e-1 e+2", "type-2e-5", "x" * 10_000 + "e-9"])
+def test_a_float_in_exponent_form_is_counted_after_text_that_looks_like_one(decoy: str) -> None:
+    # The search for exponents starts from an "e" and its sign: a string holding such runs,
+    # before the real float, must not end it.
+    plain = dump_json("payload", [decoy, 1.0], PAYLOAD_MAX_BYTES)
+    exponent = dump_json("payload", [decoy, 1e300], PAYLOAD_MAX_BYTES)
+    assert jsonb_text_size(plain) == len(plain)
+    assert jsonb_text_size(exponent) == len(exponent) - len("1e+300") + 301
+
+
 # -- durations and times -------------------------------------------------------------------
 
 
