@@ -54,12 +54,16 @@ worker was preempted by the PostgreSQL backend it just woke); ``--cprofile DIR``
 in the worker's event-loop thread (``PGTASK_BENCH_CPROFILE``, a hook in the generated tasks
 module). Figures from a profiled run are not comparable with unprofiled ones. ``--only`` runs a
 subset of the workloads.
+
+The workers run on ``--loop`` (``auto``: uvloop when installed, as ``pgtask worker`` does); the
+JSON's ``machine.uvloop`` says which uvloop was installed.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -233,6 +237,7 @@ class Bench:
     config: Config
     py_spy: Path | None
     cprofile: Path | None
+    loop: str  # the worker's --loop
     repeat_index: int
     horizon_wait: float
 
@@ -429,7 +434,7 @@ def worker_command(bench: Bench, concurrency: int) -> list[str]:
     head = [str(script)] if script.exists() else [sys.executable, "-m", "sqlalchemy_pgtask.cli"]
     return [
         *head, "worker", f"{TASKS_MODULE}:registry", "--database-url", bench.url,
-        "--concurrency", str(concurrency), "--log-level", "warning",
+        "--concurrency", str(concurrency), "--log-level", "warning", "--loop", bench.loop,
     ]
 
 
@@ -979,6 +984,13 @@ def print_table(
     print()
 
 
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def machine(bench_url: str) -> dict[str, Any]:
     info: dict[str, Any] = {
         "cpus": os.cpu_count(),
@@ -987,6 +999,7 @@ def machine(bench_url: str) -> dict[str, Any]:
         "sqlalchemy": sqlalchemy.__version__,
         "psycopg": psycopg.__version__,
         "sqlalchemy_pgtask": sqlalchemy_pgtask.__version__,
+        "uvloop": _version("uvloop"),
     }
     with psycopg.connect(libpq_url(bench_url)) as conn:
         row = conn.execute("SHOW server_version").fetchone()
@@ -1021,7 +1034,7 @@ def run(server_url: str, args: argparse.Namespace, config: Config) -> dict[str, 
                 bench = Bench(
                     url=database, conninfo=libpq_url(database), engine=engine,
                     tasks_dir=tasks_dir, config=config, py_spy=args.py_spy, cprofile=args.cprofile,
-                    repeat_index=index, horizon_wait=args.horizon_wait,
+                    loop=args.loop, repeat_index=index, horizon_wait=args.horizon_wait,
                 )
                 figures: dict[str, dict[str, Any]] = {}
                 for name in selected:
@@ -1078,6 +1091,8 @@ def main(argv: list[str] | None = None) -> int:
                         "2 s (in any database) to end; they disable dead-row cleanup (120)")
     parser.add_argument("--py-spy", type=Path, metavar="DIR",
                         help="record every worker with py-spy into DIR")
+    parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+                        help="the workers' event loop, as pgtask worker --loop (auto)")
     parser.add_argument("--cprofile", type=Path, metavar="DIR",
                         help="profile every worker's event loop with cProfile into DIR/*.prof")
     args = parser.parse_args(argv)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from typing import Any, Final, NoReturn
+from typing import Any, Final, NoReturn, get_args
 
 from sqlalchemy_pgtask import WorkerOptions, __version__
 from sqlalchemy_pgtask._logging import LOG_FORMATS
@@ -31,6 +31,7 @@ from sqlalchemy_pgtask.cli._types import int_between as _int_between
 from sqlalchemy_pgtask.cli._types import seconds as _seconds
 from sqlalchemy_pgtask.states import TASK_STATES
 from sqlalchemy_pgtask.status import LIST_LIMIT_MAX
+from sqlalchemy_pgtask.worker import EventLoop
 
 __all__ = ["build_parser"]
 
@@ -111,6 +112,11 @@ def _add_worker(commands: Any) -> None:
         "--no-instant-rescue", dest="instant_rescue", action="store_false",
         help="hold no advisory lock and rescue no dead worker's tasks early: leases alone "
         "recover them (for transaction-pooling proxies, where session locks say nothing)",
+    )
+    worker.add_argument(
+        "--loop", default="auto", choices=get_args(EventLoop),
+        help="event loop: auto is uvloop when installed (the uvloop extra), else asyncio "
+        "(default: %(default)s)",
     )
     worker.add_argument(
         "--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)"

@@ -77,7 +77,7 @@ def worker(args: argparse.Namespace) -> int:
     )
     # First signal: drain; second: hand back what runs and stop now; later ones are ignored
     # until the process has exited, so a late signal cannot turn a clean exit into 143/130.
-    run(registry, url, options, restore_signals=False)
+    run(registry, url, options, restore_signals=False, loop=args.loop)
     return EXIT_OK
 
 

@@ -5,12 +5,17 @@ from __future__ import annotations
 import importlib.util
 import math
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Literal, get_args
 
 from sqlalchemy_pgtask.errors import InvalidOptionError
 from sqlalchemy_pgtask.validation import check_queue_name
 
-__all__ = ["MAX_DURATION_SECONDS", "WorkerOptions"]
+__all__ = ["EVENT_LOOPS", "MAX_DURATION_SECONDS", "EventLoop", "WorkerOptions"]
+
+#: The event loops `sqlalchemy_pgtask.worker.run` can run on; ``auto`` is uvloop if it can
+#: be imported, else asyncio's own.
+EventLoop = Literal["auto", "asyncio", "uvloop"]
+EVENT_LOOPS: Final[tuple[str, ...]] = get_args(EventLoop)
 
 #: The longest duration any worker option accepts (a day): beyond it a lease or a timeout is a
 #: mistake, and an infinite one would reach PostgreSQL as an interval it cannot represent.

@@ -256,10 +256,9 @@ class Worker:
                 self._spawn("maintenance", self._maintenance.run())
                 self._spawn("producer", self._producer.run())
                 self._ready.set()
-                logger.info(
-                    "worker %s serving %s with concurrency %d",
-                    self.id, ", ".join(self.queues), self.options.concurrency,
-                )
+                loop = type(asyncio.get_running_loop()).__module__.partition(".")[0]
+                logger.info("worker %s serving %s with concurrency %d (event loop: %s)", self.id,
+                            ", ".join(self.queues), self.options.concurrency, loop)
                 await first(self._stopping.wait(), self._crash.wait())
                 await self._stop()
         except asyncio.CancelledError:

@@ -80,6 +80,15 @@ def test_worker_refuses_a_prefetch_that_is_no_count_in_range(app_dir: Path, valu
     assert result.returncode == 2
 
 
+def test_worker_refuses_an_event_loop_it_does_not_know(app_dir: Path) -> None:
+    result = run_cli(
+        "worker", "tasks_app:registry", "--loop=trio", "--database-url", closed_port_url(),
+        cwd=app_dir,
+    )
+    _assert_user_error(result, "--loop", "trio")
+    assert result.returncode == 2
+
+
 @pytest.mark.parametrize("option", ["--lease-duration", "--shutdown-grace", "--poll-interval"])
 @pytest.mark.parametrize("value", ["inf", "-inf", "nan", "Infinity", "ten"])
 def test_worker_refuses_durations_that_are_not_finite_numbers(

@@ -78,3 +78,23 @@ def test_a_loop_that_fails_for_good_ends_the_process_with_exit_1(
         )
         db.execute(f"DROP OWNED BY {role}")
         db.execute(f"DROP ROLE {role}")
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_the_worker_runs_tasks_and_drains_on_either_event_loop(
+    db: Database, workers: WorkerLauncher, loop: str
+) -> None:
+    if loop == "uvloop":
+        pytest.importorskip("uvloop")
+    worker = workers.start("--loop", loop)
+    task_ids = db.enqueue("job", {"sleep": 0.01}, count=20)
+    wait_until(
+        lambda: db.all_in(task_ids, "succeeded"), 30, message="the tasks to succeed",
+        describe=worker.describe,
+    )
+    [running] = db.enqueue("job", {"sleep": 0.5})
+    wait_until(lambda: db.state(running) == "running", 30, message="the long task to start")
+    worker.send(signal.SIGTERM)
+    assert worker.wait_exit(30) == 0, worker.describe()
+    assert db.state(running) == "succeeded"  # drained: it finished within the grace period
+    assert f"event loop: {loop}" in worker.log()

@@ -145,6 +145,7 @@ async def test_async_and_sync_handlers_succeed_and_store_their_results(
     ctx = seen["async"]
     assert (ctx.task_id, ctx.name, ctx.queue, ctx.attempt) == (async_id, "double", "default", 1)
     assert ctx.headers == {"trace": "t-1"}
+    assert seen["sync"].headers == {}  # none given
     assert ctx.worker_id == worker.id
     assert seen["visible"] == (("running", 1, worker.id), "running")
     for task_id in (async_id, sync_id):
