@@ -414,13 +414,19 @@ async def test_a_child_result_wait_times_out_and_cancels_the_child_subtree(
         await wait_for_state(pgtask_async_engine, task_id, ["waiting"], timeout=PATIENCE)
 
         async def child_waits() -> bool:
+            # Waiting, not only spawned: a child still running when the clock jumps would
+            # lose its lease to the jump and end some other way (CI of cda185c).
             async with pgtask_async_engine.connect() as conn:
                 spawned = (await conn.execute(
                     select(func.count())
                     .select_from(Checkpoint)
                     .where(Checkpoint.step == "grandchild")
                 )).scalar_one()
-            return bool(spawned)
+                waiting = (await conn.execute(
+                    select(func.count()).select_from(Task)
+                    .where(Task.name == "slow-child", Task.state == "waiting")
+                )).scalar_one()
+            return bool(spawned and waiting)
 
         await wait_until(child_waits, PATIENCE, message="the child spawned its own child")
         pgtask_clock.advance(3601)
