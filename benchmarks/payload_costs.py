@@ -3,22 +3,26 @@
 ::
 
     .venv/bin/python benchmarks/payload_costs.py [--database-url URL] [--tasks N] [--repeat K]
+        [--payload large|small]
 
 Creates one throwaway database per variant of the schema, then in each, ``--repeat`` times:
 ``COPY`` of ``N`` tasks (batches of 1,000, rows preformatted before the clock starts, so the
 figure is PostgreSQL's work, not the client's) with the payloads of ``run.py``'s ``*_10kb``
-workloads, then the raw claim + complete loop with the library's own ``CLAIM`` and
-``COMPLETE`` (batches of 100) until they are drained. Prints tasks/s and all PostgreSQL
-processes' CPU per task for each, and the table's size after the ``COPY`` (medians of the
-repeats; variants are interleaved per repeat, so the host's swings shake them alike).
+workloads (``--payload small``: those of the others), then the raw claim + complete loop with
+the library's own ``CLAIM`` and ``COMPLETE`` (batches of 100) until they are drained. Prints
+tasks/s and all PostgreSQL processes' CPU per task for each, and the table's size after the
+``COPY`` (medians of the repeats; variants are interleaved per repeat, so the host's swings
+shake them alike).
 
-The variants take one thing away from the schema of revision ``pgtask_0007`` at a time:
+The variants take one thing away from the schema of revision ``pgtask_0007`` at a time, or
+show an older revision:
 
 * ``0007``: the six CHECK constraints on names and JSON sizes, pglz (as before ``pgtask_0008``);
 * ``0007, no triggers``: its user triggers disabled (capacity admission, notifications);
 * ``0007, no JSON/name CHECKs``: those six constraints dropped;
 * ``0007, lz4``: payload compressed with lz4 (where the server has it);
 * ``0007, uncompressed``: payload stored out of line without compression (``STORAGE EXTERNAL``);
+* ``0008``: with the attempts' foreign key to their task (as before ``pgtask_0009``);
 * ``head``: the shipped revisions (the checks as column triggers, lz4 where available).
 """
 
@@ -60,15 +64,17 @@ VARIANTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("ALTER TABLE pgtask.tasks ALTER COLUMN payload SET COMPRESSION lz4",)),
     ("0007, uncompressed", "pgtask_0007",
      ("ALTER TABLE pgtask.tasks ALTER COLUMN payload SET STORAGE EXTERNAL",)),
+    ("0008", "pgtask_0008", ()),
     ("head", HEAD, ()),
 )
 _COPY = "COPY pgtask.tasks (id, queue, name, version, payload, headers, priority) FROM STDIN"
 
 
-def _batches(count: int) -> list[bytes]:
+def _batches(count: int, payload: str) -> list[bytes]:
     """``COPY`` text of ``count`` tasks in batches of 1,000 (the payload text has no tab,
     newline or backslash, so it needs no escaping)."""
-    payloads = [json.dumps(bench_run.large_payload(i)) for i in range(200)]
+    make = bench_run.large_payload if payload == "large" else bench_run.small_payload
+    payloads = [json.dumps(make(i)) for i in range(200)]
     assert not any(c in p for p in payloads for c in "\t\n\\")
     batches = []
     for first in range(0, count, 1000):
@@ -81,14 +87,14 @@ def _batches(count: int) -> list[bytes]:
     return batches
 
 
-def measure(conninfo: str, count: int) -> dict[str, float]:
+def measure(conninfo: str, count: int, payload: str) -> dict[str, float]:
     with psycopg.connect(conninfo, autocommit=True) as conn:
         for name, value in (("enable_seqscan", "off"), ("plan_cache_mode", "force_generic_plan"),
                             ("jit", "off")):
             conn.execute(f"SET {name} = {value}")
         conn.execute("TRUNCATE pgtask.tasks, pgtask.attempts CASCADE")
         conn.execute("CHECKPOINT")
-        batches = _batches(count)
+        batches = _batches(count, payload)
         cpu0, start = bench_run.postgres_cpu(), time.perf_counter()
         for batch in batches:
             with conn.transaction(), conn.cursor() as cursor, cursor.copy(_COPY) as copy:
@@ -120,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--database-url", metavar="URL")
     parser.add_argument("--tasks", type=int, default=5000)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--payload", choices=("large", "small"), default="large")
     args = parser.parse_args(argv)
     if args.database_url:
         show(args.database_url, args)
@@ -147,11 +154,12 @@ def show(server_url: str, args: argparse.Namespace) -> None:
         for repeat in range(args.repeat):
             for label, url in databases:
                 print(f"[repeat {repeat + 1}/{args.repeat}] {label} ...", file=sys.stderr)
-                results[label].append(measure(bench_run.libpq_url(url), args.tasks))
+                results[label].append(measure(bench_run.libpq_url(url), args.tasks, args.payload))
     finally:
         for _, url in databases:
             drop_database(url)
-    print(f"\n{args.tasks} tasks of ~10 KB; medians of {args.repeat}; PostgreSQL CPU per task\n")
+    size = "~10 KB" if args.payload == "large" else "small payloads"
+    print(f"\n{args.tasks} tasks of {size}; medians of {args.repeat}; PostgreSQL CPU per task\n")
     print(f"{'variant':28} {'COPY tasks/s':>13} {'CPU us':>8} {'drain tasks/s':>14} {'CPU us':>8}"
           f" {'table MB':>9}")
     for label, runs in results.items():

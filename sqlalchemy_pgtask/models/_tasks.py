@@ -235,9 +235,10 @@ class Attempt(Base):
         {"postgresql_with": FAST_AUTOVACUUM},
     )
 
-    task_id: Mapped[uuid.UUID] = mapped_column(
-        ForeignKey("pgtask.tasks.id", ondelete="CASCADE"), primary_key=True
-    )
+    #: The task, with no foreign key (revision pgtask_0009): only the claim inserts attempt
+    #: rows, in the statement that updates their tasks, and a foreign key's check locked each
+    #: task once more. Deleting or truncating tasks deletes their attempts (triggers).
+    task_id: Mapped[uuid.UUID] = mapped_column(primary_key=True)
     attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
     lease_token: Mapped[uuid.UUID]
     worker_id: Mapped[uuid.UUID | None]

@@ -49,6 +49,7 @@ from sqlalchemy_pgtask.models import AuditEntry, Schedule
 from sqlalchemy_pgtask.retention import run_retention
 from sqlalchemy_pgtask.signals import emit_signal
 from sqlalchemy_pgtask.testing import DatabaseClock, running_worker, wait_until
+from tests.support.durable import claim_one, complete
 from tests.support.engines import engine_for
 from tests.support.roles import (
     Roles,
@@ -411,6 +412,27 @@ def test_an_admin_cancels_retries_configures_and_runs_retention(
     ]
     assert (settings.max_outstanding_tasks, settings.paused) == (50, False)
     assert settings.outstanding_tasks == 1  # the retried task
+
+
+def test_retention_by_an_admin_deletes_attempts_it_has_no_privilege_on(
+    pgtask_engine: Engine, admin_engine: Engine
+) -> None:
+    """Attempts go with their task through a trigger that runs as its owner (revision
+    pgtask_0009): the admin may delete tasks, never touch attempts."""
+    with pgtask_engine.connect() as owner:
+        owner.execution_options(isolation_level="AUTOCOMMIT")
+        old = enqueue(owner, "job").id
+        lease = claim_one(owner)
+        complete(owner, lease, "done")
+    _finish(pgtask_engine, old, "succeeded", days_ago=10)
+    with refused(), admin_engine.begin() as connection:
+        connection.execute(text("DELETE FROM pgtask.attempts"))
+    assert run_retention(admin_engine).tasks_deleted == 1
+    with pgtask_engine.connect() as owner:
+        left = owner.execute(
+            text("SELECT count(*) FROM pgtask.attempts WHERE task_id = :t"), {"t": old}
+        ).scalar_one()
+    assert left == 0
 
 
 def test_an_admin_cannot_claim_enqueue_or_forge_leases(
