@@ -6,7 +6,7 @@ test; prints figures).
     .venv/bin/python benchmarks/dashboard.py [--database-url URL] [--tasks N] [--runs R]
 
 It creates a throwaway database (``--database-url``, else the server that
-``provide_server(url_env="PGTASK_BENCH_DATABASE_URL")`` finds), installs the schema, inserts
+``benchmarks/_server.py`` finds), installs the schema, inserts
 ``--tasks`` tasks (default 1,000,000) with ``INSERT ... SELECT generate_series``: 10 queues,
 20 names, created over 30 days with time-ordered ids like the library's (UUID version 7);
 86 % succeeded, 5 % failed, 2 % cancelled, 7 % pending; every 10th with an idempotency key
@@ -28,13 +28,12 @@ from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any, cast
 
-from sqlalchemy import Connection, Engine, create_engine, event, make_url, text
+from _server import scratch_database
+from sqlalchemy import Connection, Engine, create_engine, event, text
 from starlette.testclient import TestClient
 
 from sqlalchemy_pgtask.dashboard import create_app
 from sqlalchemy_pgtask.dashboard._task_list import SCAN_LIMIT, TaskFilters, TaskPage, task_page
-from sqlalchemy_pgtask.migrations import upgrade
-from sqlalchemy_pgtask.testing import create_database, drop_database, provide_server
 
 FILL_SQL = """
 WITH made AS (
@@ -192,13 +191,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=20)
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
-        server_url = args.database_url or stack.enter_context(
-            provide_server(url_env="PGTASK_BENCH_DATABASE_URL")
-        ).url
-        raw = create_database(server_url, "pgtask_bench_dashboard")
-        stack.callback(drop_database, raw)
-        url = make_url(raw).set(drivername="postgresql+psycopg")
-        upgrade(url.render_as_string(hide_password=False))
+        url = stack.enter_context(scratch_database(args.database_url, "pgtask_bench_dashboard"))
         engine = create_engine(url)
         stack.callback(engine.dispose)
         seconds = fill(engine, args.tasks)

@@ -6,7 +6,7 @@ shakes every path alike (run on demand; not a test; prints figures).
     .venv/bin/python benchmarks/enqueue_paths.py [--database-url URL] [--rounds R] [--block B]
 
 It creates a throwaway database (``--database-url``, else the server that
-``provide_server(url_env="PGTASK_BENCH_DATABASE_URL")`` finds) and installs the schema. Each
+``benchmarks/_server.py`` finds) and installs the schema. Each
 of ``R`` rounds (default 15) runs a block of ``B`` (default 200) BEGIN/INSERT/COMMIT loops per
 path, in an order that alternates from round to round, on one held connection each:
 
@@ -28,7 +28,6 @@ performance issue judges (``>= 0.9``). The database is dropped afterwards.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import time
@@ -36,11 +35,10 @@ import uuid
 from collections.abc import Callable
 
 import psycopg
-from sqlalchemy import create_engine, make_url
+from _server import libpq_url, scratch_database
+from sqlalchemy import create_engine
 
 from sqlalchemy_pgtask import enqueue
-from sqlalchemy_pgtask.migrations import upgrade
-from sqlalchemy_pgtask.testing import create_database, drop_database, provide_server
 
 RAW_INSERT = """
 INSERT INTO pgtask.tasks
@@ -126,19 +124,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--block", type=int, default=200)
     args = parser.parse_args()
-    with contextlib.ExitStack() as stack:
-        server_url = args.database_url or stack.enter_context(
-            provide_server(url_env="PGTASK_BENCH_DATABASE_URL")
-        ).url
-        raw = create_database(server_url, "pgtask_bench_enqueue")
-        stack.callback(drop_database, raw)
-        url = make_url(raw).set(drivername="postgresql+psycopg")
-        conninfo = make_url(raw).set(drivername="postgresql").render_as_string(
-            hide_password=False
-        )
-        upgrade(url.render_as_string(hide_password=False))
-        report(measure(url.render_as_string(hide_password=False), conninfo, args.rounds,
-                       args.block))
+    with scratch_database(args.database_url, "pgtask_bench_enqueue") as url:
+        report(measure(url, libpq_url(url), args.rounds, args.block))
     return 0
 
 

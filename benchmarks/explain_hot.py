@@ -38,7 +38,7 @@ from sqlalchemy.sql import ClauseElement
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import run as bench_run
+from _server import psycopg_url, server
 
 from sqlalchemy_pgtask import EnqueueRequest, enqueue_many, statements
 from sqlalchemy_pgtask.migrations import upgrade
@@ -46,7 +46,6 @@ from sqlalchemy_pgtask.registry import DEFAULT_RETRY
 from sqlalchemy_pgtask.testing import (
     create_database,
     drop_database,
-    provide_server,
 )
 
 _DIALECT = postgresql.psycopg.dialect()  # type: ignore[no-untyped-call]
@@ -135,11 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, default=20_000)
     parser.add_argument("--batch", type=int, default=100)
     args = parser.parse_args(argv)
-    if args.database_url:
-        show(args.database_url, args)
-    else:
-        with provide_server(url_env="PGTASK_BENCH_DATABASE_URL", allow_docker=False) as info:
-            show(info.url, args)
+    with server(args.database_url) as found:
+        show(found.url, args)
     return 0
 
 
@@ -147,7 +143,7 @@ def show(server_url: str, args: argparse.Namespace) -> None:
     from sqlalchemy import create_engine
     from sqlalchemy.orm import Session
 
-    database = create_database(bench_run.psycopg_url(server_url), "pgtask_explain")
+    database = create_database(psycopg_url(server_url), "pgtask_explain")
     engine = create_engine(database)
     conninfo = make_url(database).set(drivername="postgresql").render_as_string(
         hide_password=False

@@ -43,11 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import explain_hot
 import run as bench_run
+from _server import libpq_url, psycopg_url, server
 
 from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask._enqueue_plan import new_ids
 from sqlalchemy_pgtask.migrations import HEAD, upgrade
-from sqlalchemy_pgtask.testing import create_database, drop_database, provide_server
+from sqlalchemy_pgtask.testing import create_database, drop_database
 
 _CHECKS = (
     "ck_tasks_name", "ck_tasks_queue", "ck_tasks_payload_size", "ck_tasks_headers",
@@ -128,11 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--payload", choices=("large", "small"), default="large")
     args = parser.parse_args(argv)
-    if args.database_url:
-        show(args.database_url, args)
-    else:
-        with provide_server(url_env="PGTASK_BENCH_DATABASE_URL", allow_docker=False) as info:
-            show(info.url, args)
+    with server(args.database_url) as found:
+        show(found.url, args)
     return 0
 
 
@@ -140,10 +138,10 @@ def show(server_url: str, args: argparse.Namespace) -> None:
     databases: list[tuple[str, str]] = []
     try:
         for label, revision, ddl in VARIANTS:
-            url = create_database(bench_run.psycopg_url(server_url), "pgtask_payload")
+            url = create_database(psycopg_url(server_url), "pgtask_payload")
             databases.append((label, url))
             upgrade(url, revision)
-            conninfo = bench_run.libpq_url(url)
+            conninfo = libpq_url(url)
             with psycopg.connect(conninfo, autocommit=True) as conn:
                 for statement in ddl:
                     try:
@@ -154,7 +152,7 @@ def show(server_url: str, args: argparse.Namespace) -> None:
         for repeat in range(args.repeat):
             for label, url in databases:
                 print(f"[repeat {repeat + 1}/{args.repeat}] {label} ...", file=sys.stderr)
-                results[label].append(measure(bench_run.libpq_url(url), args.tasks, args.payload))
+                results[label].append(measure(libpq_url(url), args.tasks, args.payload))
     finally:
         for _, url in databases:
             drop_database(url)

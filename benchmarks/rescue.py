@@ -6,15 +6,15 @@ One command (run on demand; it is not a test)::
                                           [--no-instant-rescue]
 
 It creates a throwaway database (``--database-url``, else the server that
-``provide_server(url_env="PGTASK_BENCH_DATABASE_URL")`` finds), installs the schema, and runs
+``benchmarks/_server.py`` finds), installs the schema, and runs
 two ``pgtask worker`` subprocesses with a ``--lease`` of 30 s (concurrency 1 each). Each round
 enqueues one task that blocks until released, waits for a worker to run it, kills that worker
 with SIGKILL, and measures in database time from just before the kill to the start of the
-task's next attempt on the other worker; then it releases the task, starts a fresh worker in
-place of the killed one and gives it three seconds to see the other (a rescuer only acts for
-workers it knew alive during its own session). It prints every round and the median and
-maximum. With ``--no-instant-rescue`` the workers run without it, for comparison (the lease
-expiry decides).
+task's next attempt on the other worker; then it releases the task and starts a fresh worker
+in place of the killed one (a rescuer only acts for workers it knew alive during its own
+session, and a worker looks at the others before it registers). It prints every round and the
+median and maximum. With ``--no-instant-rescue`` the workers run without it, for comparison
+(the lease expiry decides).
 """
 
 from __future__ import annotations
@@ -33,10 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from sqlalchemy import make_url
-
-from sqlalchemy_pgtask.migrations import upgrade
-from sqlalchemy_pgtask.testing import create_database, drop_database, provide_server
+from _server import libpq_url, scratch_database
 
 TASKS_SOURCE = textwrap.dedent(
     '''
@@ -56,12 +53,9 @@ TASKS_SOURCE = textwrap.dedent(
 )
 
 
-#: Seconds for a fresh worker's first rescue passes to see the others (a few intervals).
-SETTLE = 3.0
-
-
-def libpq(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+def kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        proc.kill()
 
 
 def one(conninfo: str, sql: str, params: Any = None) -> Any:
@@ -101,23 +95,14 @@ def main() -> int:
     parser.add_argument("--no-instant-rescue", action="store_true")
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
-        server_url = args.database_url
-        if server_url is None:
-            server_url = stack.enter_context(
-                provide_server(url_env="PGTASK_BENCH_DATABASE_URL")
-            ).url
-        raw = create_database(server_url, "pgtask_bench_rescue")
-        stack.callback(drop_database, raw)
-        upgrade(raw)
-        url = make_url(raw).set(drivername="postgresql+psycopg").render_as_string(
-            hide_password=False
-        )
-        conninfo = libpq(raw)
+        url = stack.enter_context(scratch_database(args.database_url, "pgtask_bench_rescue"))
+        conninfo = libpq_url(url)
         directory = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         (directory / "rescue_bench_tasks.py").write_text(TASKS_SOURCE)
         instant = not args.no_instant_rescue
         procs = [start_worker(url, directory, args.lease, instant) for _ in range(2)]
-        stack.callback(lambda: [p.kill() for p in procs])
+        # Whichever workers are left at the end (the list is replaced as workers are killed).
+        stack.callback(lambda: kill_all(procs))
         wait_for(conninfo, "SELECT count(*) = 2 FROM pgtask.workers WHERE expires_at > now()",
                  None, "two live workers")
         results = []
@@ -143,12 +128,11 @@ def main() -> int:
             print(f"round {round_number}: restarted {seconds:.3f} s after kill -9")
             marker.touch()
             procs = [p for p in procs if p.poll() is None]
-            procs.append(start_worker(url, directory, args.lease, instant))
-            wait_for(conninfo, "SELECT count(*) >= 2 FROM pgtask.workers WHERE"
-                     " expires_at > now() AND pid <> %s", (pid,), "a fresh worker")
-            # A rescuer acts for workers it knows were alive during its own session: let the
-            # fresh worker's first rescue passes see the other one before the next kill.
-            time.sleep(SETTLE)
+            fresh = start_worker(url, directory, args.lease, instant)
+            procs.append(fresh)
+            # Registered, it has seen the other one alive (a worker looks before it registers).
+            wait_for(conninfo, "SELECT count(*) = 1 FROM pgtask.workers WHERE pid = %s",
+                     (fresh.pid,), "the fresh worker to register")
         print(f"median {statistics.median(results):.3f} s, max {max(results):.3f} s"
               f" (lease {args.lease:g} s, instant rescue {'on' if instant else 'off'})")
     return 0

@@ -7,7 +7,7 @@ One command (run on demand; it is not a test)::
                                              [--paced]
 
 It creates a throwaway database (``--database-url``, else the server that
-``provide_server(url_env="PGTASK_BENCH_DATABASE_URL")`` finds), installs the schema with the
+``benchmarks/_server.py`` finds), installs the schema with the
 shipped revisions, and drops it afterwards. Two phases:
 
 1. **Drain alone**: ``--drain`` pending no-op tasks (default 20,000) drained by one ``pgtask
@@ -44,13 +44,12 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from sqlalchemy import create_engine, make_url
+from _server import libpq_url, scratch_database
+from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
 from sqlalchemy_pgtask import EnqueueRequest, enqueue_many
-from sqlalchemy_pgtask.migrations import upgrade
 from sqlalchemy_pgtask.retention import RetentionResult, run_retention
-from sqlalchemy_pgtask.testing import create_database, drop_database, provide_server
 
 TASKS_MODULE = "retention_bench_tasks"
 TASKS_SOURCE = textwrap.dedent(
@@ -90,16 +89,6 @@ INSERT INTO pgtask.idempotency_keys (queue, key, task_id, created_at)
 SELECT 'default', idempotency_key, id, completed_at FROM made
 WHERE idempotency_key IS NOT NULL
 """
-
-
-def libpq(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-
-
-def sqlalchemy_url(url: str) -> str:
-    return make_url(url).set(drivername="postgresql+psycopg").render_as_string(
-        hide_password=False
-    )
 
 
 def scalar(conninfo: str, sql: str, params: Any = None) -> Any:
@@ -202,15 +191,8 @@ def main() -> int:
     args = parser.parse_args()
 
     with contextlib.ExitStack() as stack:
-        server_url = args.database_url
-        if server_url is None:
-            server_url = stack.enter_context(
-                provide_server(url_env="PGTASK_BENCH_DATABASE_URL")
-            ).url
-        raw = create_database(server_url, "pgtask_bench_retention")
-        stack.callback(drop_database, raw)
-        upgrade(raw)
-        url, conninfo = sqlalchemy_url(raw), libpq(raw)
+        url = stack.enter_context(scratch_database(args.database_url, "pgtask_bench_retention"))
+        conninfo = libpq_url(url)
         directory = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         (directory / f"{TASKS_MODULE}.py").write_text(TASKS_SOURCE)
 

@@ -5,7 +5,7 @@ One command::
     .venv/bin/python benchmarks/run.py [--database-url URL] [--quick] [--repeat K]
 
 It creates a throwaway database on the server (``--database-url``, else the server that
-``provide_server(url_env="PGTASK_BENCH_DATABASE_URL", allow_docker=False)`` finds), installs the
+``benchmarks/_server.py`` finds), installs the
 schema with the shipped revisions, runs every workload ``K`` times and drops the database.
 Every workload starts from emptied ``pgtask.tasks``/``pgtask.attempts`` (TRUNCATE ... CASCADE,
 VACUUM ANALYZE, CHECKPOINT), so no run inherits another's dead rows or pending WAL flush.
@@ -83,14 +83,15 @@ from typing import Any
 
 import psycopg
 import sqlalchemy
-from sqlalchemy import create_engine, make_url
+from _server import libpq_url, psycopg_url, server
+from sqlalchemy import create_engine
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
 import sqlalchemy_pgtask
 from sqlalchemy_pgtask import EnqueueRequest, enqueue, enqueue_many
 from sqlalchemy_pgtask.migrations import upgrade
-from sqlalchemy_pgtask.testing import create_database, drop_database, provide_server
+from sqlalchemy_pgtask.testing import create_database, drop_database
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_JSON = HERE / "results.json"
@@ -243,16 +244,6 @@ class Bench:
 
 
 # -- helpers -----------------------------------------------------------------------------------
-
-
-def libpq_url(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-
-
-def psycopg_url(url: str) -> str:
-    return make_url(url).set(drivername="postgresql+psycopg").render_as_string(
-        hide_password=False
-    )
 
 
 #: Transactions that hold back the cleanup horizon. A transaction with an xid in ANY database
@@ -1108,13 +1099,9 @@ def main(argv: list[str] | None = None) -> int:
         warmup=20,
     )
     started = time.monotonic()
-    if args.database_url:
-        document = run(args.database_url, args, config)
-        document["server"] = make_url(args.database_url).render_as_string(hide_password=True)
-    else:
-        with provide_server(url_env="PGTASK_BENCH_DATABASE_URL", allow_docker=False) as info:
-            document = run(info.url, args, config)
-            document["server"] = info.description
+    with server(args.database_url) as found:
+        document = run(found.url, args, config)
+        document["server"] = found.description
     document["elapsed_seconds"] = time.monotonic() - started
     print_table(document["medians"], document["targets"], document["info"])
     text = json.dumps(document, indent=2, default=str)

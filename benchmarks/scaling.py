@@ -6,7 +6,7 @@ One command (run on demand; it is not a test)::
                                            [--concurrency C] [--repeat K]
 
 It creates a throwaway database (``--database-url``, else the server that
-``provide_server(url_env="PGTASK_BENCH_DATABASE_URL")`` finds), installs the schema with the
+``benchmarks/_server.py`` finds), installs the schema with the
 shipped revisions, and drops it afterwards. For each process count P (default 1, 2 and 4) and
 each of ``K`` repeats (default 1) it:
 
@@ -58,13 +58,12 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from sqlalchemy import create_engine, make_url
+from _server import libpq_url, scratch_database
+from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
 from sqlalchemy_pgtask import EnqueueRequest, enqueue_many
-from sqlalchemy_pgtask.migrations import upgrade
 from sqlalchemy_pgtask.queues import configure_queue
-from sqlalchemy_pgtask.testing import create_database, drop_database, provide_server
 
 TASKS_MODULE = "scaling_bench_tasks"
 TASKS_SOURCE = textwrap.dedent(
@@ -99,16 +98,6 @@ SELECT count(*) FROM (
     SELECT 1 FROM pg_replication_slots WHERE xmin IS NOT NULL OR catalog_xmin IS NOT NULL
 ) AS holders
 """
-
-
-def libpq(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-
-
-def sqlalchemy_url(url: str) -> str:
-    return make_url(url).set(drivername="postgresql+psycopg").render_as_string(
-        hide_password=False
-    )
 
 
 def process_cpu(pid: int) -> float | None:
@@ -337,15 +326,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     with contextlib.ExitStack() as stack:
-        server_url = args.database_url
-        if server_url is None:
-            server_url = stack.enter_context(
-                provide_server(url_env="PGTASK_BENCH_DATABASE_URL")
-            ).url
-        raw = create_database(server_url, "pgtask_bench_scaling")
-        stack.callback(drop_database, raw)
-        upgrade(raw)
-        url, conninfo = sqlalchemy_url(raw), libpq(raw)
+        url = stack.enter_context(scratch_database(args.database_url, "pgtask_bench_scaling"))
+        conninfo = libpq_url(url)
         directory = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         (directory / f"{TASKS_MODULE}.py").write_text(TASKS_SOURCE)
         print(f"{args.tasks:,} no-op tasks, --concurrency {args.concurrency} per process, "

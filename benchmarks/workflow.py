@@ -6,7 +6,7 @@ One command::
                                             [--repeat K]
 
 Like ``benchmarks/run.py`` it creates a throwaway database (``--database-url``, else the server
-``provide_server(url_env="PGTASK_BENCH_DATABASE_URL")`` finds) and drops it afterwards. Each
+``benchmarks/_server.py`` finds) and drops it afterwards. Each
 repeat runs two drains of ``N`` pre-enqueued tasks (default 2,000) by one ``pgtask worker``
 subprocess at concurrency ``C`` (default 50):
 
@@ -41,15 +41,17 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from sqlalchemy import create_engine, make_url
+from sqlalchemy import create_engine
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import run as bench_run  # noqa: E402 - the sibling script's helpers
+from _server import libpq_url, psycopg_url  # noqa: E402
+from _server import server as bench_server  # noqa: E402
 
 from sqlalchemy_pgtask.migrations import upgrade  # noqa: E402
-from sqlalchemy_pgtask.testing import create_database, drop_database, provide_server  # noqa: E402
+from sqlalchemy_pgtask.testing import create_database, drop_database  # noqa: E402
 
 STEPS = 5
 TASKS_SOURCE = textwrap.dedent(
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def measure(server_url: str) -> list[dict[str, dict[str, Any]]]:
-        database = create_database(bench_run.psycopg_url(server_url), "pgtask_bench_wf")
+        database = create_database(psycopg_url(server_url), "pgtask_bench_wf")
         engine = create_engine(database)
         runs = []
         try:
@@ -174,9 +176,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 for index in range(args.repeat):
                     bench = bench_run.Bench(
-                        url=database, conninfo=bench_run.libpq_url(database), engine=engine,
+                        url=database, conninfo=libpq_url(database), engine=engine,
                         tasks_dir=tasks_dir, config=config, py_spy=None, cprofile=None,
-                        repeat_index=index, horizon_wait=60.0,
+                        loop="auto", repeat_index=index, horizon_wait=60.0,
                     )
                     figures = {}
                     for name in ("plain", "workflow"):
@@ -189,16 +191,12 @@ def main(argv: list[str] | None = None) -> int:
             drop_database(database)
         return runs
 
-    if args.database_url:
-        runs = measure(args.database_url)
-        server = make_url(args.database_url).render_as_string(hide_password=True)
-    else:
-        with provide_server(url_env="PGTASK_BENCH_DATABASE_URL", allow_docker=False) as info:
-            runs = measure(info.url)
-            server = info.description
+    with bench_server(args.database_url) as found:
+        runs = measure(found.url)
+        server = found.description
 
     def median(name: str, key: str) -> float:
-        return statistics.median(run[name][key] for run in runs)
+        return float(statistics.median(run[name][key] for run in runs))
 
     per_step = []
     for run in runs:

@@ -207,6 +207,8 @@ class MaintenanceRunner:
         #: Monotonic times some services were asked to run by (see `run_within`).
         self._asked: dict[str, float] = {}
         self._all = False
+        #: When each service that `prime` ran is next due.
+        self._primed: dict[int, float] = {}
 
     def wake(self) -> None:
         """Run every service now (the database clock moved, or the listener reconnected)."""
@@ -220,9 +222,30 @@ class MaintenanceRunner:
             self._asked[name] = at
             self._wake.set()
 
+    async def prime(self) -> None:
+        """Run the rescue pass once, before the worker registers.
+
+        A rescuer acts only for workers it saw holding their lock or that registered after
+        its first look. Looking before this worker is registered (and so before anyone can
+        see it ready) covers every peer alive at that moment: one killed right after this
+        worker started is rescued at once, not left to its lease. A failure is logged; the
+        regular passes try again.
+        """
+        for service in self._services:
+            if service.name != Rescue.name:
+                continue
+            try:
+                async with self._connection.use() as connection:
+                    await service.run_once(connection)
+            except Exception as exc:
+                logger.warning("%s failed (%s); again in its regular pass", service.name,
+                               brief(exc))
+            else:
+                self._primed[id(service)] = time.monotonic() + service.interval
+
     async def run(self) -> None:
         now = time.monotonic()
-        due = {id(s): now for s in self._services}
+        due = {id(s): self._primed.get(id(s), now) for s in self._services}
         backoffs = {id(s): Backoff(cap=max(s.interval, 1.0)) for s in self._services}
         while True:
             if self._wake.is_set():

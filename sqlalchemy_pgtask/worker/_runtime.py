@@ -248,6 +248,7 @@ class Worker:
                 self._listener.listening.wait(), self._stopping.wait(), self._crash.wait()
             )
             if not self._crash.is_set() and not self._stopping.is_set():
+                await self._maintenance.prime()  # instant rescue's first look at its peers
                 await self._registration.register()
                 self._spawn("completer", self._completer.run())
                 self._spawn("renewer", self._leases.renew_loop())

@@ -19,10 +19,20 @@ import pytest
 from sqlalchemy import Connection, Engine, func, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from sqlalchemy_pgtask import Attempt, Task, enqueue, statements
+from sqlalchemy_pgtask import (
+    Attempt,
+    Registry,
+    Task,
+    TaskContext,
+    WorkerOptions,
+    enqueue,
+    statements,
+)
 from sqlalchemy_pgtask.statements.rescue import LOCK_NAMESPACE, RESCUE
+from sqlalchemy_pgtask.testing import running_worker, wait_until
 from sqlalchemy_pgtask.worker._maintenance import Rescue
 from tests.support.tasks import claim_parameters
+from tests.support.waiting import PATIENCE
 
 LEASE = 3600.0
 
@@ -230,6 +240,28 @@ async def test_another_databases_lock_does_not_keep_a_worker_alive(
     finally:
         other.invalidate()
         other.close()
+
+
+async def test_a_peer_killed_as_soon_as_a_worker_is_ready_is_rescued(
+    pgtask_engine: Engine, pgtask_database_url: str
+) -> None:
+    # The peer registered before the worker started and dies the moment the worker is ready:
+    # the worker looked at its peers before registering, so it saw this one alive.
+    peer = FakeWorker(pgtask_engine, 31337)
+    peer.connect()
+    task_id = peer.running_task()
+    registry = Registry()
+
+    @registry.task("other")  # never "job": the rescued task stays pending for the assertion
+    async def other(ctx: TaskContext, payload: object) -> None:
+        return None
+
+    options = WorkerOptions(lease_duration=LEASE, rescue_interval=0.2)
+    async with running_worker(registry, pgtask_database_url, options):
+        peer.die()  # blocks the worker's loop: its regular passes all come after this
+        await wait_until(lambda: state_of(pgtask_engine, task_id)[0] == "pending", PATIENCE,
+                         message="the worker to rescue its dead peer's task")
+    assert state_of(pgtask_engine, task_id) == ("pending", 1, None)
 
 
 def test_the_rescue_statement_checks_the_lock_again(pgtask_engine: Engine) -> None:
