@@ -228,8 +228,8 @@ class MaintenanceRunner:
         A rescuer acts only for workers it saw holding their lock or that registered after
         its first look. Looking before this worker is registered (and so before anyone can
         see it ready) covers every peer alive at that moment: one killed right after this
-        worker started is rescued at once, not left to its lease. A failure is logged; the
-        regular passes try again.
+        worker started is rescued at once, not left to its lease. A failure is left to the
+        regular passes.
         """
         for service in self._services:
             if service.name != Rescue.name:
@@ -238,8 +238,9 @@ class MaintenanceRunner:
                 async with self._connection.use() as connection:
                     await service.run_once(connection)
             except Exception as exc:
-                logger.warning("%s failed (%s); again in its regular pass", service.name,
-                               brief(exc))
+                # Not reported here: registration fails next for most causes (a missing table
+                # or privilege), with one clear error, and the regular passes report the rest.
+                logger.debug("%s before registering failed (%s)", service.name, brief(exc))
             else:
                 self._primed[id(service)] = time.monotonic() + service.interval
 
