@@ -35,6 +35,8 @@ Workloads (``--quick`` shrinks the counts):
   200,000 more tasks in the queue due in an hour: future work must cost nothing.
 * ``enqueue_many_10kb`` and ``drain_c100_10kb``: ``enqueue_many`` and ``drain_c100_async`` of
   5,000 tasks with ~10 KB payloads (order-like documents that TOAST compresses about 3x).
+* ``drain_c100_50k``: ``drain_c100_async`` of 50,000 tasks, for the worker's peak resident
+  set (``VmHWM``, which every drain reports as ``worker_peak_rss_mb``).
 
 Figures are medians over the repeats; ratios are computed within each repeat (same machine
 state) and their median is compared with the targets. The table is printed, then the JSON
@@ -394,6 +396,17 @@ def process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _ticks()
 
 
+def peak_rss_mb(pid: int) -> float:
+    """The process's peak resident set so far (``VmHWM``), in MB (0 where not visible)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0.0
+
+
 def postgres_cpu() -> float:
     """CPU seconds used so far by every live ``postgres`` process on this host (if visible)."""
     total = 0.0
@@ -709,6 +722,7 @@ def drain(
                 raise RuntimeError(f"{exc}\n{log_tail(bench, label)}") from None
             worker_cpu = process_cpu(proc.pid) - worker_cpu0
             server_cpu = postgres_cpu() - server_cpu0
+            rss = peak_rss_mb(proc.pid)
         succeeded, seconds = drained_window(conn)
         per_claim = tasks_per_claim(conn)
     if succeeded != n:
@@ -719,6 +733,7 @@ def drain(
         "server_cpu_us_per_task": server_cpu / n * 1e6,
         "cpu_us_per_task": (worker_cpu + server_cpu) / n * 1e6,
         "tasks_per_claim": per_claim,
+        "worker_peak_rss_mb": rss,
     }
 
 
@@ -803,6 +818,8 @@ WORKLOADS: dict[str, Callable[[Bench], dict[str, Any]]] = {
     "drain_c100_10kb": lambda b: drain(
         b, "drain_c100_10kb", "noop", 100, n=LARGE, payload=large_payload
     ),
+    # The worker's memory: its peak resident set draining 50,000 tasks at concurrency 100.
+    "drain_c100_50k": lambda b: drain(b, "drain_c100_50k", "noop", 100, n=50_000),
 }
 
 
@@ -849,6 +866,8 @@ TARGETS = (
            at_least=False),
     Target("PostgreSQL CPU per wake-up, future / none", "latency_future.server_cpu_us_per_task",
            "latency.server_cpu_us_per_task", 1.2, at_least=False),
+    Target("worker peak RSS MB, 50,000 tasks at c100", "drain_c100_50k.worker_peak_rss_mb",
+           None, 150.0, at_least=False),
 )
 
 
@@ -941,6 +960,8 @@ def print_table(
             notes.append(f"p95 {figures['p95_ms']:.2f} p99 {figures['p99_ms']:.2f} ms")
         if "worker_cpu_us_per_task" in figures:
             notes.append(f"worker {figures['worker_cpu_us_per_task']:.0f} us/task")
+        if figures.get("worker_peak_rss_mb"):
+            notes.append(f"RSS {figures['worker_peak_rss_mb']:.0f} MB")
         if "server_cpu_us_per_task" in figures:
             notes.append(f"postgres {figures['server_cpu_us_per_task']:.0f} us/task")
         if "host_cpu_busy_pct" in figures:

@@ -1,8 +1,8 @@
 """worker: the asyncio runtime that claims tasks, runs handlers and records their outcomes.
 
 Public: `Worker` (run it inside your own event loop), `WorkerOptions`, and `run` (a worker in
-the foreground of a process, with signal handling, on uvloop when installed; what ``pgtask
-worker`` calls).
+the foreground of a process, with signal handling, on uvloop when installed, with the cycle
+collector's first threshold at least `COLLECTOR_THRESHOLD`; what ``pgtask worker`` calls).
 
 The private modules, one responsibility each (after River's ``internal/<responsibility>``):
 ``_producer`` (claims), ``_executor`` (handlers and their threads), ``_completer`` (outcome
@@ -17,8 +17,8 @@ intervals (monotonic), never a stored timestamp.
 
 from __future__ import annotations
 
-from sqlalchemy_pgtask.worker._main import run
+from sqlalchemy_pgtask.worker._main import COLLECTOR_THRESHOLD, run
 from sqlalchemy_pgtask.worker._options import EventLoop, WorkerOptions
 from sqlalchemy_pgtask.worker._runtime import Worker
 
-__all__ = ["EventLoop", "Worker", "WorkerOptions", "run"]
+__all__ = ["COLLECTOR_THRESHOLD", "EventLoop", "Worker", "WorkerOptions", "run"]

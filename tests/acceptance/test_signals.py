@@ -13,6 +13,7 @@ import uuid
 
 import pytest
 
+from sqlalchemy_pgtask.worker import COLLECTOR_THRESHOLD
 from tests.support.waiting import wait_until
 from tests.support.workerproc import Database, WorkerLauncher
 
@@ -88,10 +89,15 @@ def test_the_worker_runs_tasks_and_drains_on_either_event_loop(
         pytest.importorskip("uvloop")
     worker = workers.start("--loop", loop)
     task_ids = db.enqueue("job", {"sleep": 0.01}, count=20)
+    [settings] = db.enqueue("collector")
     wait_until(
-        lambda: db.all_in(task_ids, "succeeded"), 30, message="the tasks to succeed",
-        describe=worker.describe,
+        lambda: db.all_in([*task_ids, settings], "succeeded"), 30,
+        message="the tasks to succeed", describe=worker.describe,
     )
+    # The cycle collector runs less often while the worker runs (worker.run).
+    result = db.task(settings).result
+    assert result["threshold"] >= COLLECTOR_THRESHOLD, result
+    assert result["frozen"] > 0, result
     [running] = db.enqueue("job", {"sleep": 0.5})
     wait_until(lambda: db.state(running) == "running", 30, message="the long task to start")
     worker.send(signal.SIGTERM)

@@ -92,6 +92,7 @@ Payload keys (all optional):
 import asyncio
 import os
 import time
+import gc
 import uuid
 from pathlib import Path
 
@@ -174,6 +175,12 @@ async def job(ctx, payload):
     if payload.get("terminate_on_return") and ctx.attempt == 1:
         await _record(_TERMINATE, (TEST_APPLICATION,))
     return {"run_id": str(run_id), "pid": os.getpid(), "attempt": ctx.attempt}
+
+
+@registry.task("collector")
+async def collector(ctx, payload):
+    """The cycle collector's settings in the worker process, as the handler sees them."""
+    return {"threshold": gc.get_threshold()[0], "frozen": gc.get_freeze_count()}
 
 
 @registry.task("job-sync", retry=RETRY)

@@ -1,4 +1,5 @@
-"""Which event loop `sqlalchemy_pgtask.worker.run` (and ``pgtask worker --loop``) runs on.
+"""Which event loop `sqlalchemy_pgtask.worker.run` (and ``pgtask worker --loop``) runs on,
+and how it sets the cycle collector while the worker runs.
 
 ``auto`` takes uvloop when it can be imported and asyncio's loop otherwise; ``uvloop``
 without uvloop installed, or a name that is no loop, is refused before anything starts.
@@ -6,13 +7,20 @@ without uvloop installed, or a name that is no loop, is refused before anything 
 
 from __future__ import annotations
 
+import gc
 import sys
+import weakref
+from collections.abc import Iterator
 
 import pytest
 
 from sqlalchemy_pgtask import InvalidOptionError, Registry
 from sqlalchemy_pgtask.worker import run
-from sqlalchemy_pgtask.worker._main import resolve_event_loop
+from sqlalchemy_pgtask.worker._main import (
+    COLLECTOR_THRESHOLD,
+    collector_for_throughput,
+    resolve_event_loop,
+)
 
 
 def test_asyncio_is_asyncio_whatever_is_installed() -> None:
@@ -48,3 +56,53 @@ def test_run_refuses_a_bad_loop_before_it_connects_to_anything() -> None:
     # Nothing listens there: a run that started would fail to connect instead.
     with pytest.raises(InvalidOptionError, match="loop"):
         run(registry, "postgresql+psycopg://nobody@127.0.0.1:9/nowhere", loop="trio")  # type: ignore[arg-type]
+
+
+# -- the cycle collector while a worker runs -------------------------------------------------
+
+
+@pytest.fixture
+def collector() -> Iterator[None]:
+    """Leaves the process's collector as it found it, whatever a test did."""
+    threshold = gc.get_threshold()
+    yield
+    gc.set_threshold(*threshold)
+    gc.unfreeze()
+
+
+def test_the_collector_runs_less_often_while_a_worker_runs_and_as_before_after(
+    collector: None,
+) -> None:
+    gc.set_threshold(700, 10, 10)
+    assert gc.get_freeze_count() == 0
+    with collector_for_throughput():
+        assert gc.get_threshold() == (COLLECTOR_THRESHOLD, 10, 10)
+        assert gc.get_freeze_count() > 0  # what existed on entry is out of its collections
+    assert gc.get_threshold() == (700, 10, 10)
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_higher_threshold_and_the_processs_own_freeze_are_kept(collector: None) -> None:
+    gc.set_threshold(COLLECTOR_THRESHOLD * 2, 5, 5)
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    with collector_for_throughput():
+        assert gc.get_threshold() == (COLLECTOR_THRESHOLD * 2, 5, 5)
+    assert gc.get_threshold() == (COLLECTOR_THRESHOLD * 2, 5, 5)
+    assert gc.get_freeze_count() == frozen  # not unfrozen behind the process's back
+
+
+def test_cyclic_garbage_still_goes_after_enough_allocations(collector: None) -> None:
+    class Node:
+        other: object = None
+
+    with collector_for_throughput():
+        gc.collect()  # the allocation counts start from zero
+        first, second = Node(), Node()
+        first.other, second.other = second, first
+        gone = weakref.ref(first)
+        del first, second
+        kept: list[list[object]] = [[] for _ in range(COLLECTOR_THRESHOLD // 10)]
+        assert gone() is not None  # not after a few thousand allocations, as at 700
+        kept += [[] for _ in range(COLLECTOR_THRESHOLD * 2)]
+        assert gone() is None
