@@ -29,7 +29,7 @@ in Python before it sends it either way.
 
 On a server built with lz4, ``payload`` and ``result`` are compressed with lz4 instead of pglz
 (values written from now on; stored ones stay as they are): PostgreSQL copies 10 KB payloads
-in about 1.35 times as fast. A server without lz4 keeps pglz.
+about 1.35 times as fast. A server without lz4 keeps pglz.
 """
 
 from __future__ import annotations
