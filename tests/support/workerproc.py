@@ -81,18 +81,21 @@ Payload keys (all optional):
 * ``record``: insert a row into acceptance_runs when the run starts and stamp its end, both
   with the database's clock_timestamp().
 * ``fail``: raise after sleeping: ``"exit"`` raises SystemExit, ``"interrupt"``
-  KeyboardInterrupt, anything else true a RuntimeError. Both handlers understand it.
+  KeyboardInterrupt, anything else true a RuntimeError.
 * ``stop_marker``: when the worker cancels the handler, write the time (``time.time()``) to
   ``stopped-<task id>-<attempt>`` in the working directory.
 * ``terminate_on_return``: on attempt 1, just before returning, terminate every other client
   backend of the database except the test's own (so the worker's pool and listener die right
   before the outcome is written).
+
+``job`` and ``job-sync`` read these; ``collector`` ignores its payload and returns the worker
+process's cycle-collector settings.
 """
 
 import asyncio
+import gc
 import os
 import time
-import gc
 import uuid
 from pathlib import Path
 
