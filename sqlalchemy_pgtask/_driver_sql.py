@@ -5,15 +5,22 @@ on each execution: for a single enqueue or a worker's claim, much of SQLAlchemy'
 statement. A statement whose parameters need no conversion on the way can go to the driver as
 the same text with `Connection.exec_driver_sql` instead, which still fires the cursor events,
 echoes, wraps errors, begins the transaction and invalidates a lost connection.
+
+Array parameters of plain element types (uuid, integers, floats, text, booleans) go in
+psycopg's binary format (``%(name)b``): its text format quotes and escapes every element in
+Python (a regular expression search each), ~4 us per task for a batch of completions, where
+the binary format packs them at ~1 us. The server receives the same values (the statement
+casts each array to its type either way).
 """
 
 from __future__ import annotations
 
+import re
 import weakref
 from collections.abc import Mapping
 from typing import Any, Final, NamedTuple
 
-from sqlalchemy import Boolean, Connection, CursorResult
+from sqlalchemy import Boolean, Connection, CursorResult, Float, Integer, String, Uuid
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -115,6 +122,7 @@ def _compiled_for_driver(statement: Executable, dialect: Dialect) -> DriverState
         return None
     literals: dict[str, Any] = {}
     arrays: list[str] = []
+    binary: set[str] = set()
     # Every parameter object, not one per name: objects sharing a name must each be safe.
     for bind, name in compiled.bind_names.items():
         if bind.expanding or bind.literal_execute or bind.callable is not None:
@@ -122,15 +130,28 @@ def _compiled_for_driver(statement: Executable, dialect: Dialect) -> DriverState
         if not bind.required:
             literals[name] = bind.effective_value
         kind = _conversion(bind, dialect)
-        if kind == "array":
+        if kind in ("array", "binary array"):
             arrays.append(name)
+            if kind == "binary array":
+                binary.add(name)
         elif kind is not None:
             return None
-    return DriverStatement(str(compiled.string), literals, tuple(arrays))
+    sql = str(compiled.string)
+    if binary:
+        sql = re.sub(
+            r"(?<!%)%\((" + "|".join(map(re.escape, sorted(binary))) + r")\)s", r"%(\1)b", sql
+        )
+    return DriverStatement(sql, literals, tuple(arrays))
+
+
+#: Array element types psycopg packs in binary exactly as it would quote them in text: the same
+#: Python types are accepted and refused (a list mixing int and float fails either way).
+_BINARY_ITEMS: Final = (Uuid, Integer, Float, String, Boolean)
 
 
 def _conversion(bind: BindParameter[Any], dialect: Dialect) -> str | None:
-    """None: the value goes as it is; "array": as a list; anything else: it needs SQLAlchemy."""
+    """None: the value goes as it is; "array" or "binary array": as a list (in psycopg's text
+    or binary format); anything else: it needs SQLAlchemy."""
     impl = bind.type.dialect_impl(dialect)
     if impl.bind_processor(dialect) is None:
         return None
@@ -140,5 +161,5 @@ def _conversion(bind: BindParameter[Any], dialect: Dialect) -> str | None:
         # outer sequence is converted here); a Boolean item's only checks that it is a bool,
         # which psycopg sends as one (RetryPolicy refuses a jitter that is not a bool).
         if item.bind_processor(dialect) is None or isinstance(item, Boolean):
-            return "array"
+            return "binary array" if isinstance(item, _BINARY_ITEMS) else "array"
     return "processed"

@@ -1,9 +1,11 @@
 """The statements sent to psycopg as text compiled once (`sqlalchemy_pgtask._driver_sql`) send
-exactly what SQLAlchemy's compiled path sends: the same SQL and the same parameter values, of
-the same types, for the parameters the library's own builders produce."""
+what SQLAlchemy's compiled path sends: the same SQL and the same parameter values, of the same
+types, for the parameters the library's own builders produce; only arrays of plain element
+types go in psycopg's binary format, which the server reads as the same values."""
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -110,9 +112,36 @@ def test_the_driver_text_sends_what_the_compiled_path_sends(
     compiled_sql, compiled_params, was_compiled = _sent(compiled_engine, statement, params)
     driver_sql, driver_params, driver_compiled = _sent(driver_engine, statement, params)
     assert (was_compiled, driver_compiled) == (True, False)
-    # The compiled path compiles with the parameters' keys as column keys: same text.
-    assert driver_sql == compiled_sql
+    # The compiled path compiles with the parameters' keys as column keys: same text, but for
+    # the placeholders of the arrays sent in binary.
+    assert driver_sql == re.sub(r"%\((\w+)\)s(::(?:UUID|INTEGER|SMALLINT|DOUBLE PRECISION|TEXT|"
+                                r"BOOLEAN)\[\])", r"%(\1)b\2", compiled_sql)
     assert _typed(driver_params) == _typed(compiled_params)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_arrays_sent_in_binary_reach_the_server_as_the_same_values(
+    engines: tuple[Engine, Engine], name: str
+) -> None:
+    _, driver_engine = engines
+    statement, params = CASES[name]
+    with driver_engine.connect() as connection:
+        prepared = driver_statement(connection, statement)
+        assert prepared is not None
+        binary = dict(re.findall(r"%\((\w+)\)b::([A-Z ]+\[\])", prepared.sql))
+        for key, cast in binary.items():
+            value = prepared.parameters(params)[key]
+            as_text, as_binary, same = connection.exec_driver_sql(
+                f"SELECT %(t)s::{cast}::text, %(b)b::{cast}::text,"
+                f" %(t)s::{cast} IS NOT DISTINCT FROM %(b)b::{cast}",
+                {"t": value, "b": value},
+            ).one()
+            assert (key, as_binary, same) == (key, as_text, True)
+    # Every case has some, but not every array goes in binary: timestamps keep the text form.
+    if name in ("CLAIM", "COMPLETE", "FAIL", "RELEASE", "ENQUEUE_BATCH"):
+        assert binary
+    if name == "ENQUEUE_BATCH":
+        assert "%(run_ats)s::TIMESTAMP WITH TIME ZONE[]" in prepared.sql
 
 
 def test_array_parameters_given_as_tuples_reach_the_driver_as_lists(

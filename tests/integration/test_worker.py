@@ -44,6 +44,7 @@ from sqlalchemy_pgtask import (
     WorkerRecord,
     statements,
 )
+from sqlalchemy_pgtask._driver_sql import driver_statement
 from sqlalchemy_pgtask.testing import DatabaseClock, running_worker, wait_until
 from tests.support.engines import executions_of
 from tests.support.tasks import (
@@ -1034,14 +1035,15 @@ async def test_claims_and_outcome_writes_go_to_the_driver_as_text_compiled_once(
         await add(pgtask_async_engine, "echo", {"i": i, "fail": i == 2}, headers={"h": str(i)})
         for i in range(4)
     ]
-    dialect = pgtask_async_engine.dialect
-    texts = {
-        str(statement.compile(dialect=dialect)): name
+    texts: dict[str, str] = {}
+    async with pgtask_async_engine.connect() as connection:
         for name, statement in (
             ("claim", statements.CLAIM), ("complete", statements.COMPLETE),
             ("fail", statements.FAIL),
-        )
-    }
+        ):
+            prepared = driver_statement(connection, statement)
+            assert prepared is not None
+            texts[prepared.sql] = name
     sent: list[tuple[str, Any]] = []
     event.listen(
         pgtask_async_engine.sync_engine, "before_cursor_execute",
