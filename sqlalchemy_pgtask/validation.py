@@ -321,7 +321,24 @@ def jsonb_text_size(text: str) -> int:
 
 
 #: ``json.dumps`` with options builds an encoder per call; one is enough.
-_ENCODE: Final = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
+_ENCODER: Final = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
+
+
+def _encode(value: object) -> str:
+    # A handler's usual result is a scalar: written as the encoder writes it, without the
+    # encoder's set-up per call (~2 us, once per finished task). Non-finite floats go to the
+    # encoder, which refuses them.
+    if value is None:
+        return "null"
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    if type(value) is int:
+        return int.__repr__(value)
+    if type(value) is float and math.isfinite(value):
+        return float.__repr__(value)
+    return _ENCODER(value)
 
 
 def dump_json(field: str, value: object, max_bytes: int) -> str:
@@ -332,7 +349,7 @@ def dump_json(field: str, value: object, max_bytes: int) -> str:
     full), so a value accepted here is never rejected by the database.
     """
     try:
-        text = _ENCODE(value)
+        text = _encode(value)
     except (TypeError, ValueError) as exc:
         raise PayloadError(field, f"is not JSON-serialisable: {exc}") from exc
     except RecursionError as exc:

@@ -284,9 +284,14 @@ def _claim(*, governed: bool) -> Select[Any]:
             claimed.c.deadline_at,
         ),
     ).cte("recorded")
+    returned = {name: claimed.c[name] for name in CLAIMED_COLUMNS}
+    # Most tasks have no headers: NULL spares the worker parsing '{}' for each of them.
+    returned["headers"] = func.nullif(
+        claimed.c.headers, literal_column("'{}'::jsonb")
+    ).label("headers")
     result = (
         select(
-            *(claimed.c[name] for name in CLAIMED_COLUMNS),
+            *returned.values(),
             claimed.c.time_limit,
             claimed.c.deadline_at,
         )

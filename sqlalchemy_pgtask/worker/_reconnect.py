@@ -10,19 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 from collections.abc import AsyncIterator, Sequence
 from typing import Final
 
 import psycopg
-from sqlalchemy import func, select, text
+from sqlalchemy import URL, func, make_url, select, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from sqlalchemy_pgtask.worker._observer import NO_OBSERVER, Observer
 
-__all__ = ["PLANNER_SETTINGS", "Backoff", "HeldConnection", "brief", "is_transient"]
+__all__ = [
+    "PLANNER_SETTINGS", "Backoff", "HeldConnection", "brief", "is_transient", "load_json",
+    "owned_engine",
+]
 
 
 class Backoff:
@@ -83,6 +87,34 @@ def is_transient(exc: BaseException) -> bool:
 PLANNER_SETTINGS: Final = (
     ("enable_seqscan", "off"), ("plan_cache_mode", "force_generic_plan"), ("jit", "off"),
 )
+
+
+_DECODE: Final = json.JSONDecoder().decode
+
+
+def load_json(data: bytes) -> object:
+    """``json.loads`` for the UTF-8 text psycopg hands over, at less than half the cost.
+
+    ``json.loads`` of bytes first sniffs their encoding (UTF-16 and UTF-32 included); what
+    PostgreSQL sends a UTF-8 client is UTF-8 (~1.5 us saved per value: one payload per task).
+    """
+    return _DECODE(data.decode())
+
+
+def owned_engine(url: str | URL) -> AsyncEngine:
+    """The engine a worker given a URL creates (and disposes of) for itself.
+
+    An engine the application passes in keeps its own JSON deserializer: its handlers may
+    rely on it (decimals, say).
+    """
+    return create_async_engine(
+        make_url(url).set(drivername="postgresql+psycopg"),
+        pool_size=10,
+        max_overflow=10,
+        # Errors are logged; statement parameters carry task payloads and results.
+        hide_parameters=True,
+        json_deserializer=load_json,
+    )
 
 
 def _milliseconds(seconds: float) -> str:

@@ -23,8 +23,7 @@ import uuid
 from collections.abc import Coroutine
 from typing import Any
 
-from sqlalchemy import make_url
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask._asyncio import bounded, first
@@ -42,7 +41,7 @@ from sqlalchemy_pgtask.worker._maintenance import MaintenanceRunner, WaitTimeout
 from sqlalchemy_pgtask.worker._observer import observe
 from sqlalchemy_pgtask.worker._options import WorkerOptions
 from sqlalchemy_pgtask.worker._producer import Producer
-from sqlalchemy_pgtask.worker._reconnect import HeldConnection
+from sqlalchemy_pgtask.worker._reconnect import HeldConnection, owned_engine
 from sqlalchemy_pgtask.worker._registration import Registration
 from sqlalchemy_pgtask.worker._services import maintenance_services
 from sqlalchemy_pgtask.worker._transactions import TransactionEngines
@@ -98,13 +97,7 @@ class Worker:
             self._engine = database
             self._owns_engine = False
         else:
-            self._engine = create_async_engine(
-                make_url(database).set(drivername="postgresql+psycopg"),
-                pool_size=10,
-                max_overflow=10,
-                # Errors are logged; statement parameters carry task payloads and results.
-                hide_parameters=True,
-            )
+            self._engine = owned_engine(database)
             self._owns_engine = True
         options = self.options
         lease = float(options.lease_duration)

@@ -100,6 +100,35 @@ def test_payload_at_limit_passes_and_one_byte_more_fails() -> None:
         dump_json("payload", exact + "x", PAYLOAD_MAX_BYTES)
 
 
+SCALARS: list[object] = [
+    None, True, False, 0, -7, 2**64, -(10**40), 0.0, -0.0, 1.5, 1e300, 1.5e-07, 5e-324,
+    1764760000.123456, sys.float_info.max,
+]
+
+
+@pytest.mark.parametrize("value", SCALARS, ids=repr)
+def test_scalars_are_written_as_the_json_encoder_writes_them(value: object) -> None:
+    # Scalars skip the encoder's set-up per call; the text must not change.
+    encoder = json.JSONEncoder(ensure_ascii=False, allow_nan=False)
+    assert dump_json("result", value, PAYLOAD_MAX_BYTES) == encoder.encode(value)
+    assert dump_json("result", [value], PAYLOAD_MAX_BYTES) == encoder.encode([value])
+
+
+def test_a_scalar_is_measured_as_jsonb_writes_it() -> None:
+    # 1e+300 is 301 bytes once jsonb writes it out: over a limit its repr fits in.
+    with pytest.raises(PayloadError, match="301 bytes"):
+        dump_json("result", 1e300, 300)
+    assert dump_json("result", 1e300, 301) == "1e+300"
+
+
+def test_an_int_too_long_to_print_is_rejected_as_not_serialisable() -> None:
+    digits = sys.get_int_max_str_digits()
+    if not digits:
+        pytest.skip("this interpreter prints ints of any length")
+    with pytest.raises(PayloadError, match="not JSON-serialisable"):
+        dump_json("result", 10 ** (digits + 1), PAYLOAD_MAX_BYTES)
+
+
 @pytest.mark.parametrize("value", [{1, 2}, object(), math.nan, math.inf, b"bytes"])
 def test_non_json_values_are_rejected(value: object) -> None:
     with pytest.raises(PayloadError, match="not JSON-serialisable"):

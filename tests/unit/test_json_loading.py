@@ -1,0 +1,31 @@
+"""The worker's JSON decoder gives what ``json.loads`` gives for the text PostgreSQL sends."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sqlalchemy_pgtask.worker._reconnect import load_json
+
+TEXTS = [
+    "{}", "[]", "null", "true", "0", "-0.0", "1e+300", "12345678901234567890123",
+    '{"i": 12345}', '{"a": [1, 2.5, null, true, false], "b": {"c": "d"}}',
+    '"naïve café ☕ 𝄞 日本語"', '"\\ud83d\\ude00 and \\u00e9 escaped"',
+    '{"line": "a\\nb\\t\\"q\\" \\\\"}', '  {"spaced" :  [ 1 , 2 ] }  ',
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_decodes_utf8_bytes_as_json_loads(text: str) -> None:
+    data = text.encode()
+    assert load_json(data) == json.loads(data)
+    assert repr(load_json(data)) == repr(json.loads(data))  # -0.0, int against float
+
+
+@pytest.mark.parametrize("data", [b"", b"{", b'{"a": 1} x', b"NaN-ish"])
+def test_refuses_what_json_loads_refuses(data: bytes) -> None:
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(data)
+    with pytest.raises(json.JSONDecodeError):
+        load_json(data)
