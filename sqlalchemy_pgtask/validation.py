@@ -324,10 +324,13 @@ def jsonb_text_size(text: str) -> int:
 _ENCODER: Final = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
 
 
-def _encode(value: object) -> str:
-    # A handler's usual result is a scalar: written as the encoder writes it, without the
-    # encoder's set-up per call (~2 us, once per finished task). Non-finite floats go to the
-    # encoder, which refuses them.
+def _scalar_text(value: object) -> str | None:
+    """``value``'s JSON text as the encoder writes it, if it is a plain scalar (else None).
+
+    A handler's usual result is one: no encoder set-up, nor the scans a document needs (no NUL,
+    surrogate or escape can be in it). Non-finite floats are left to the encoder, which refuses
+    them. Raises ValueError for an int too long to print.
+    """
     if value is None:
         return "null"
     if value is True:
@@ -338,7 +341,7 @@ def _encode(value: object) -> str:
         return int.__repr__(value)
     if type(value) is float and math.isfinite(value):
         return float.__repr__(value)
-    return _ENCODER(value)
+    return None
 
 
 def dump_json(field: str, value: object, max_bytes: int) -> str:
@@ -349,11 +352,17 @@ def dump_json(field: str, value: object, max_bytes: int) -> str:
     full), so a value accepted here is never rejected by the database.
     """
     try:
-        text = _encode(value)
+        scalar = _scalar_text(value)
+        text = _ENCODER(value) if scalar is None else scalar
     except (TypeError, ValueError) as exc:
         raise PayloadError(field, f"is not JSON-serialisable: {exc}") from exc
     except RecursionError as exc:
         raise PayloadError(field, "is nested too deeply to serialise") from exc
+    if scalar is not None:
+        size = jsonb_text_size(scalar) if "e" in scalar else len(scalar)
+        if size > max_bytes:
+            raise PayloadError(field, f"is {size} bytes as jsonb text; the limit is {max_bytes}")
+        return scalar
     # Only a JSON escape can put NUL in the text, so the walk runs only when it is needed.
     if "\\u0000" in text:
         where = _find_nul(value, field)

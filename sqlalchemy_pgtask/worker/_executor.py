@@ -167,7 +167,8 @@ class Executor:
                 "task %s %s v%d attempt %d started", ctx.task_id, ctx.name, ctx.version,
                 ctx.attempt, extra=_extra(attempt),
             )
-        handle = asyncio.create_task(self._execute(attempt), name=f"pgtask-{row.id}")
+        # One name for all: formatting the task id costs ~1 us per task (ctx has the id).
+        handle = loop.create_task(self._execute(attempt), name="pgtask-handler")
         attempt.handle = handle
         self._handles.add(handle)
         handle.add_done_callback(self._handles.discard)

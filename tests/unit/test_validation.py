@@ -119,6 +119,8 @@ def test_a_scalar_is_measured_as_jsonb_writes_it() -> None:
     with pytest.raises(PayloadError, match="301 bytes"):
         dump_json("result", 1e300, 300)
     assert dump_json("result", 1e300, 301) == "1e+300"
+    with pytest.raises(PayloadError, match="20 bytes"):
+        dump_json("result", -(10**18), 19)
 
 
 def test_an_int_too_long_to_print_is_rejected_as_not_serialisable() -> None:
