@@ -89,16 +89,23 @@ PLANNER_SETTINGS: Final = (
 )
 
 
-_DECODE: Final = json.JSONDecoder().decode
+_DECODER: Final = json.JSONDecoder()
 
 
 def load_json(data: bytes) -> object:
-    """``json.loads`` for the UTF-8 text psycopg hands over, at less than half the cost.
+    """``json.loads`` for the UTF-8 text psycopg hands over, at a third of the cost.
 
-    ``json.loads`` of bytes first sniffs their encoding (UTF-16 and UTF-32 included); what
-    PostgreSQL sends a UTF-8 client is UTF-8 (~1.5 us saved per value: one payload per task).
+    ``json.loads`` of bytes first sniffs their encoding (UTF-16 and UTF-32 included), and then
+    looks for whitespace around the value with two regular-expression matches. What PostgreSQL
+    sends a UTF-8 client is UTF-8, and ``jsonb`` text has no such whitespace (``json`` text,
+    which keeps it, takes the full decode). ~2 us saved per value: one payload per task.
     """
-    return _DECODE(data.decode())
+    text = data.decode()
+    try:
+        value, end = _DECODER.raw_decode(text)
+    except json.JSONDecodeError:
+        return _DECODER.decode(text)  # leading whitespace, or not JSON: decode tells which
+    return value if end == len(text) else _DECODER.decode(text)
 
 
 def owned_engine(url: str | URL) -> AsyncEngine:

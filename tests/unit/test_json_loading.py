@@ -13,6 +13,7 @@ TEXTS = [
     '{"i": 12345}', '{"a": [1, 2.5, null, true, false], "b": {"c": "d"}}',
     '"naïve café ☕ 𝄞 日本語"', '"\\ud83d\\ude00 and \\u00e9 escaped"',
     '{"line": "a\\nb\\t\\"q\\" \\\\"}', '  {"spaced" :  [ 1 , 2 ] }  ',
+    '{"trailing": 1}  \n', '[1, 2]\t',
 ]
 
 
@@ -23,7 +24,7 @@ def test_decodes_utf8_bytes_as_json_loads(text: str) -> None:
     assert repr(load_json(data)) == repr(json.loads(data))  # -0.0, int against float
 
 
-@pytest.mark.parametrize("data", [b"", b"{", b'{"a": 1} x', b"NaN-ish"])
+@pytest.mark.parametrize("data", [b"", b"{", b'{"a": 1} x', b"1 2", b"  [1,", b"NaN-ish"])
 def test_refuses_what_json_loads_refuses(data: bytes) -> None:
     with pytest.raises(json.JSONDecodeError):
         json.loads(data)
