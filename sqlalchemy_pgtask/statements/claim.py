@@ -341,9 +341,10 @@ def _claim(*, governed: bool) -> Select[Any]:
 #: 1, a fresh lease token and an expiry of database time + ``lease_seconds``; snapshots the
 #: retry policy and fills a missing ``max_attempts`` from the capability on first claim;
 #: inserts one ``attempts`` row each, with the attempt's deadline (database time + the task's,
-#: or else the handler's, time limit). Returns `CLAIMED_COLUMNS` of the claimed tasks, then
-#: ``time_limit`` (seconds or NULL) and ``deadline_at``. Kept under psycopg's 4 KiB limit for
-#: cached parsing: the governed form is longer, and paid for only by workers that need it.
+#: or else the handler's, time limit). Returns `CLAIMED_COLUMNS` of the claimed tasks (with
+#: ``headers`` NULL where they are empty), then ``time_limit`` (seconds or NULL) and
+#: ``deadline_at``. Kept under psycopg's 4 KiB limit for cached parsing (23 bytes to spare
+#: on 2026-12-03): the governed form is longer, and paid for only by workers that need it.
 CLAIM: Final = _claim(governed=False)
 
 #: `CLAIM` for a worker some of whose queues are governed, serving all its unpaused queues:
