@@ -162,3 +162,22 @@ def test_a_dropped_table_exits_1_and_says_to_migrate(
     result = run_cli(*args, "--database-url", db.url, cwd=app_dir, timeout=90)
 
     _one_line_error(result, 1, f'"pgtask.{table}" does not exist', "pgtask migrate")
+
+
+def test_migrate_to_an_unknown_revision_is_a_usage_error_and_installs_nothing(
+    app_dir: Path, pgtask_empty_database_url: str
+) -> None:
+    # Alembic's own error (CommandError): recognised although the CLI imports Alembic only
+    # when a command needs it.
+    result = run_cli(
+        "migrate", "--database-url", pgtask_empty_database_url, "--revision", "nosuchrev",
+        cwd=app_dir, timeout=90,
+    )
+
+    _one_line_error(result, 2, "nosuchrev")
+    engine = create_engine(pgtask_empty_database_url, poolclass=NullPool)
+    with engine.connect() as connection:
+        assert connection.execute(
+            text("SELECT count(*) FROM pg_namespace WHERE nspname = 'pgtask'")
+        ).scalar_one() == 0
+    engine.dispose()
