@@ -1,4 +1,5 @@
-"""worker._reconnect: which failures are worth retrying, how long to wait, and held connections.
+"""worker._reconnect: which failures are worth retrying, how long to wait, held connections,
+and the engine a worker makes for itself from a URL (`owned_engine`, with `load_json`).
 
 Every loop of the worker retries transient failures (a lost or refused connection, a lock or
 statement timeout, a serialisation failure) after a backoff with full jitter, so reconnecting

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from typing import cast
 
 import pytest
 
-from sqlalchemy_pgtask.worker._reconnect import load_json
+from sqlalchemy_pgtask.worker._reconnect import load_json, owned_engine
 
 TEXTS = [
     "{}", "[]", "null", "true", "0", "-0.0", "1e+300", "12345678901234567890123",
@@ -30,3 +31,14 @@ def test_refuses_what_json_loads_refuses(data: bytes) -> None:
         json.loads(data)
     with pytest.raises(json.JSONDecodeError):
         load_json(data)
+
+
+def test_the_engine_a_worker_makes_from_a_url_decodes_json_with_it() -> None:
+    # Without this the integration tests would still pass: json.loads gives the same values.
+    engine = owned_engine("postgresql://app@db.invalid/app")
+    try:
+        # SQLAlchemy types it as taking str; psycopg, which calls it, hands over bytes.
+        assert cast(object, engine.dialect._json_deserializer) is load_json
+        assert engine.dialect.driver == "psycopg"
+    finally:
+        engine.sync_engine.dispose()
