@@ -1,11 +1,11 @@
 """benchmarks/pgqueuer_compare.py: PgQueuer and this library side by side on the same host:
-enqueue-to-start latency and drains at concurrency 10 and 100, alternated.
+enqueues, enqueue-to-start latency and drains at concurrency 10 and 100, alternated.
 
 ::
 
     python3 -m venv /tmp/pgq && /tmp/pgq/bin/pip install "pgqueuer==1.6.0" asyncpg uvloop
     .venv/bin/python benchmarks/pgqueuer_compare.py --pgqueuer-python /tmp/pgq/bin/python \\
-        [--database-url URL] [--rounds 3] [--only latency,drain_c10,drain_c100]
+        [--database-url URL] [--rounds 3] [--only enqueue_single,enqueue_many,latency,...]
 
 The performance issue's figures for PgQueuer (the fastest Python peer on PostgreSQL: asyncpg,
 no fencing, no attempt history) come from another host, and this host's figures swing with
@@ -13,6 +13,11 @@ its load, so the peer is measured here, in turn with ``run.py``. PgQueuer runs i
 interpreter (``--pgqueuer-python``: it is no dependency of this project), a fresh database per
 measurement, its worker a ``QueueManager`` on asyncpg and uvloop:
 
+* ``enqueue_single``, ``enqueue_many``: 2,000 jobs one ``enqueue`` call each (an autocommit
+  ``INSERT``: PgQueuer enqueues outside any transaction of the caller), and 20,000 in calls
+  of 1,000 (one statement each), after 20 to warm up; tasks/s of the loop. Ours: ``run.py
+  --only enqueue_single`` (``BEGIN``, the insert, ``COMMIT``: inside the caller's
+  transaction) / ``enqueue_many``.
 * ``latency``: as ``run.py``'s ``latency``: a worker with ``batch_size=10`` (our concurrency
   10) idle for a second, a producer that enqueues one job every 20 ms on its own connection
   (an autocommit ``INSERT``); 20 warm-up jobs, then 200 timed from the producer's commit to
@@ -50,7 +55,8 @@ from sqlalchemy_pgtask.testing import create_database, drop_database
 WARMUP, TIMED, GAP = 20, 200, 0.020
 DRAIN = 20_000
 
-#: Run by ``--pgqueuer-python`` as ``MODE DSN ...``: ``install``; ``fill N``; ``worker OUT
+#: Run by ``--pgqueuer-python`` as ``MODE DSN ...``: ``install``; ``fill N``; ``enqueue N
+#: BATCH`` (prints the enqueue's tasks/s, each call its own autocommit statement); ``worker OUT
 #: READY TOTAL BATCH`` (handler start times to OUT once TOTAL jobs ran, READY once running);
 #: ``produce OUT TOTAL GAP`` (commit times to OUT). Wall-clock times (``time.time``): the
 #: worker and the producer are two processes.
@@ -69,11 +75,20 @@ PGQUEUER_SIDE = textwrap.dedent(
     async def install(dsn):
         await (await queries(dsn)).install()
 
-    async def fill(dsn, count):
+    async def fill(dsn, count, batch=1000):
         q = await queries(dsn)
-        for first in range(0, count, 1000):
-            n = min(1000, count - first)
-            await q.enqueue(["noop"] * n, [str(first + i).encode() for i in range(n)], [0] * n)
+        for first in range(0, count, batch):
+            n = min(batch, count - first)
+            if n == 1:
+                await q.enqueue("noop", str(first).encode())
+            else:
+                await q.enqueue(["noop"] * n, [str(first + i).encode() for i in range(n)], [0] * n)
+
+    async def timed_fill(dsn, count, batch):
+        await fill(dsn, 20, min(batch, 20))  # warm the statements, as run.py does
+        start = time.perf_counter()
+        await fill(dsn, count, batch)
+        print(json.dumps({"tasks_per_s": count / (time.perf_counter() - start)}))
 
     async def worker(dsn, out, ready, total, batch):
         qm = QueueManager(await queries(dsn))
@@ -109,6 +124,8 @@ PGQUEUER_SIDE = textwrap.dedent(
         uvloop.run(install(dsn))
     elif mode == "fill":
         uvloop.run(fill(dsn, int(rest[0])))
+    elif mode == "enqueue":
+        uvloop.run(timed_fill(dsn, int(rest[0]), int(rest[1])))
     elif mode == "worker":
         uvloop.run(worker(dsn, rest[0], rest[1], int(rest[2]), int(rest[3])))
     else:
@@ -162,6 +179,14 @@ class PgQueuer:
         millis = [(started[k] - done[k]) * 1000 for k in done if int(k) >= WARMUP]
         q = statistics.quantiles(millis, n=100, method="inclusive")
         return {"p50_ms": q[49], "p99_ms": q[98]}
+
+    def enqueue(self, dsn: str, count: int, batch: int) -> dict[str, float]:
+        done = subprocess.run(
+            [*self.side, "enqueue", dsn, str(count), str(batch)], check=True,
+            capture_output=True, text=True,
+        )
+        figures: dict[str, float] = json.loads(done.stdout)
+        return figures
 
     def drain(self, dsn: str, batch: int) -> dict[str, float]:
         subprocess.run([*self.side, "fill", dsn, str(DRAIN)], check=True)
@@ -229,7 +254,14 @@ def ours(server_url: str, tmp: Path, workload: str) -> dict[str, float]:
     return {"tasks_per_s": float(figures["value"])}
 
 
-WORKLOADS = ("latency", "drain_c10", "drain_c100")
+#: Ours in ``run.py``, and PgQueuer's (count, batch) for the enqueues.
+WORKLOADS: dict[str, tuple[str, tuple[int, int] | None]] = {
+    "enqueue_single": ("enqueue_single", (2_000, 1)),
+    "enqueue_many": ("enqueue_many", (20_000, 1_000)),
+    "latency": ("latency", None),
+    "drain_c10": ("drain_c10_async", None),
+    "drain_c100": ("drain_c100_async", None),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,10 +283,13 @@ def main(argv: list[str] | None = None) -> int:
         peer = PgQueuer(args.pgqueuer_python, url, Path(tmp))
         for index in range(args.rounds):
             for workload in selected:
+                ours_name, enqueue = WORKLOADS[workload]
                 for name in ("pgqueuer", "sqlalchemy_pgtask"):
                     if name == "sqlalchemy_pgtask":
-                        ours_name = "latency" if workload == "latency" else f"{workload}_async"
                         figures = ours(url, Path(tmp), ours_name)
+                    elif enqueue is not None:
+                        count, size = enqueue
+                        figures = peer.run(functools.partial(peer.enqueue, count=count, batch=size))
                     elif workload == "latency":
                         figures = peer.run(peer.latency)
                     else:
