@@ -219,6 +219,8 @@ def wait_until(
     done: Callable[[], bool], proc: subprocess.Popen[bytes], seconds: float, what: str,
     interval: float = 0.01,
 ) -> None:
+    """``run.py``'s ``wait_until``, for a worker that ends by itself once its jobs ran: ``done``
+    turning true as the worker exits is no failure."""
     deadline = time.monotonic() + seconds
     while not done():
         if proc.poll() is not None and not done():
@@ -229,6 +231,7 @@ def wait_until(
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
+    """Wait for the worker to end by itself (it stops after its last job), else kill it."""
     try:
         proc.wait(30)
     except subprocess.TimeoutExpired:
