@@ -17,8 +17,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_scoped_sessi
 from sqlalchemy.orm import Session, joinedload, scoped_session, selectinload
 
 from sqlalchemy_pgtask import statements
+from sqlalchemy_pgtask._asyncio import first
 from sqlalchemy_pgtask._connection import (
-    RESULT_CHANNEL,
     AsyncBind,
     SyncBind,
     async_bind,
@@ -26,14 +26,13 @@ from sqlalchemy_pgtask._connection import (
     async_engine,
     async_session,
     connection_of,
-    listening_connection,
-    listening_connection_sync,
     parse_task_id,
     sync_bind,
     sync_engine,
     sync_session,
     translated_errors,
 )
+from sqlalchemy_pgtask._result_waiters import subscribed, subscribed_sync
 from sqlalchemy_pgtask.audit import audit_statement, check_actor, check_reason
 from sqlalchemy_pgtask.errors import TaskNotFound
 from sqlalchemy_pgtask.models import TERMINAL_STATES, Task
@@ -185,7 +184,9 @@ def wait_for_result(
 
     Subscribes first, then reads, then waits: a task that finishes between the read and the
     wait still wakes it. Notifications are hints; it re-reads at least every
-    ``poll_interval`` seconds, so a lost notification only costs latency.
+    ``poll_interval`` seconds, so a lost notification only costs latency. Every waiter of an
+    engine shares one listening connection (per event loop for `wait_for_result_async`):
+    besides it, a waiter takes a pooled connection only for each read.
 
     :param timeout: seconds to wait at most; None (or ``inf``) waits for ever.
     :param poll_interval: the longest gap between two reads, in seconds (> 0).
@@ -202,8 +203,9 @@ def wait_for_result(
     timeout = check_timeout("timeout", timeout)
     poll_interval = check_poll_interval("poll_interval", poll_interval)
     deadline = None if timeout is None else time.monotonic() + timeout
-    with translated_errors(), listening_connection_sync(engine, RESULT_CHANNEL) as listener:
+    with translated_errors(), subscribed_sync(engine, str(wanted)) as finished:
         while True:
+            finished.clear()  # before the read: a notification during it is not lost
             with Session(engine, expire_on_commit=False) as session:
                 task = _finished(session, wanted)
                 if task is not None:
@@ -214,9 +216,7 @@ def wait_for_result(
                 wait = min(wait, deadline - time.monotonic())
                 if wait <= 0:
                     raise TimeoutError(f"task {wanted} did not finish within {timeout} s")
-            for payload in listener.payloads(timeout=wait):
-                if str(wanted) in payload.split(","):
-                    break
+            finished.wait(wait)
 
 
 async def wait_for_result_async(
@@ -234,8 +234,9 @@ async def wait_for_result_async(
     deadline = None if timeout is None else time.monotonic() + timeout
     connecting = max(10.0, poll_interval)
     with translated_errors():
-        async with listening_connection(engine, RESULT_CHANNEL, timeout=connecting) as listener:
+        async with subscribed(engine, str(wanted), timeout=connecting) as finished:
             while True:
+                finished.clear()  # before the read: a notification during it is not lost
                 async with AsyncSession(engine, expire_on_commit=False) as session:
                     task = await session.run_sync(_finished, wanted)
                     if task is not None:
@@ -246,6 +247,4 @@ async def wait_for_result_async(
                     wait = min(wait, deadline - time.monotonic())
                     if wait <= 0:
                         raise TimeoutError(f"task {wanted} did not finish within {timeout} s")
-                async for payload in listener.payloads(timeout=wait):
-                    if str(wanted) in payload.split(","):
-                        break
+                await first(finished.wait(), timeout=wait)

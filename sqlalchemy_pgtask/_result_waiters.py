@@ -1,0 +1,235 @@
+"""_result_waiters: one ``LISTEN pgtask_result`` per engine, shared by every result waiter.
+
+A waiter per connection would take one of the engine's pooled connections for as long as it
+waits: a web application whose requests wait for tasks would run out of its pool (5 + 10 by
+default) at the sixteenth concurrent waiter. Here the waiters of one engine (per event loop,
+for an `AsyncEngine`, whose connections belong to one loop) share one listening connection,
+opened by the first waiter and closed when the last one leaves. A waiter is registered before
+the listener is known to be listening and reads the task only then, so a task that finishes
+after the read always wakes it.
+
+Notifications stay hints, as before: a waiter re-reads at least every poll interval. When the
+shared connection breaks, the listener reconnects (waiters go on polling meanwhile) and then
+wakes every waiter once, since what finished while it was deaf notified nobody. Only a first
+connection that fails is an error, raised in every waiter that waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator, Iterator
+from typing import Final
+
+from sqlalchemy import Engine
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from sqlalchemy_pgtask._connection import (
+    RESULT_CHANNEL,
+    listening_connection,
+    listening_connection_sync,
+)
+
+__all__ = ["subscribed", "subscribed_sync"]
+
+logger = logging.getLogger("sqlalchemy_pgtask.results")
+
+#: Seconds before a broken listener connects again (doubling up to `_RECONNECT_CAP`).
+_RECONNECT_FIRST: Final = 0.1
+_RECONNECT_CAP: Final = 5.0
+#: How long the synchronous listener blocks in one read: the latest it notices that its last
+#: waiter left.
+_SYNC_READ: Final = 0.5
+
+
+def _lost(exc: BaseException, delay: float) -> None:
+    text = str(exc).strip()
+    logger.warning(
+        "the result waiters' listening connection failed (%s); reconnecting in %.2fs",
+        text.splitlines()[0] if text else type(exc).__name__, delay,
+    )
+
+
+class _Waiters:
+    """Waiters by task id (the text the notifications carry); no I/O."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[str, list[asyncio.Event | threading.Event]] = {}
+        self.count = 0
+
+    def add(self, task_id: str, event: asyncio.Event | threading.Event) -> None:
+        self.by_id.setdefault(task_id, []).append(event)
+        self.count += 1
+
+    def remove(self, task_id: str, event: asyncio.Event | threading.Event) -> None:
+        events = self.by_id[task_id]
+        events.remove(event)
+        if not events:
+            del self.by_id[task_id]
+        self.count -= 1
+
+    def deliver(self, payload: str) -> None:
+        for task_id in payload.split(","):
+            for event in self.by_id.get(task_id, ()):
+                event.set()
+
+    def wake_all(self) -> None:
+        for events in self.by_id.values():
+            for event in events:
+                event.set()
+
+
+# -- async ------------------------------------------------------------------------------------
+
+
+class _AsyncListener:
+    def __init__(
+        self, engine: AsyncEngine, timeout: float, registry: dict[AsyncEngine, _AsyncListener]
+    ) -> None:
+        self._engine = engine
+        self._timeout = timeout
+        self._registry = registry
+        self.waiters = _Waiters()
+        #: Set once listening for the first time, or once that failed (then `failure` is set).
+        self.started = asyncio.Event()
+        self.failure: BaseException | None = None
+        self.task = asyncio.get_running_loop().create_task(
+            self._run(), name="pgtask-result-listener"
+        )
+
+    async def _run(self) -> None:
+        delay = _RECONNECT_FIRST
+        while True:
+            try:
+                async with listening_connection(
+                    self._engine, RESULT_CHANNEL, timeout=self._timeout
+                ) as listener:
+                    delay = _RECONNECT_FIRST
+                    self.started.set()
+                    self.waiters.wake_all()  # deaf until now: anything may have finished
+                    async for payload in listener.payloads():
+                        self.waiters.deliver(payload)
+            except Exception as exc:
+                if not self.started.is_set():
+                    self._fail(exc)
+                    return
+                _lost(exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(_RECONNECT_CAP, delay * 2)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.failure = exc
+        # Later waiters start a listener of their own instead of sharing this failure.
+        if self._registry.get(self._engine) is self:
+            del self._registry[self._engine]
+        self.started.set()
+
+
+#: Per event loop (an engine's async connections belong to the loop that opened them).
+_ASYNC: Final[
+    weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[AsyncEngine, _AsyncListener]]
+] = weakref.WeakKeyDictionary()
+
+
+@contextlib.asynccontextmanager
+async def subscribed(
+    engine: AsyncEngine, task_id: str, *, timeout: float
+) -> AsyncIterator[asyncio.Event]:
+    """An event set when ``task_id`` may have finished, once ``engine``'s shared listener
+    listens (connecting gives up after ``timeout`` seconds; its error is raised here)."""
+    registry = _ASYNC.setdefault(asyncio.get_running_loop(), {})
+    listener = registry.get(engine)
+    if listener is None:
+        listener = registry[engine] = _AsyncListener(engine, timeout, registry)
+    event = asyncio.Event()
+    listener.waiters.add(task_id, event)
+    try:
+        await listener.started.wait()
+        if listener.failure is not None:
+            raise listener.failure
+        yield event
+    finally:
+        listener.waiters.remove(task_id, event)
+        if not listener.waiters.count:
+            if registry.get(engine) is listener:
+                del registry[engine]
+            listener.task.cancel()
+            # Until its connection is closed; a cancellation of this waiter still ends it.
+            await asyncio.wait({listener.task})
+
+
+# -- sync ---------------------------------------------------------------------------------
+
+
+class _SyncListener:
+    """The same for a synchronous engine: the listening connection is read in a thread."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self.waiters = _Waiters()
+        self.started = threading.Event()
+        self.failure: BaseException | None = None
+        #: Set (under `_SYNC_LOCK`) when the last waiter left: the thread closes the connection.
+        self.stopped = False
+        self.thread = threading.Thread(
+            target=self._run, name="pgtask-result-listener", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self) -> None:
+        delay = _RECONNECT_FIRST
+        while not self.stopped:
+            try:
+                with listening_connection_sync(self._engine, RESULT_CHANNEL) as listener:
+                    delay = _RECONNECT_FIRST
+                    self.started.set()
+                    with _SYNC_LOCK:
+                        self.waiters.wake_all()
+                    while not self.stopped:
+                        for payload in listener.payloads(timeout=_SYNC_READ):
+                            with _SYNC_LOCK:
+                                self.waiters.deliver(payload)
+            except Exception as exc:
+                if not self.started.is_set():
+                    with _SYNC_LOCK:
+                        self.failure = exc
+                        if _SYNC.get(self._engine) is self:
+                            del _SYNC[self._engine]
+                    self.started.set()
+                    return
+                _lost(exc, delay)
+            if not self.stopped:
+                time.sleep(delay)  # a backoff before reconnecting; waiters poll meanwhile
+                delay = min(_RECONNECT_CAP, delay * 2)
+
+
+#: Guards `_SYNC` and every synchronous listener's waiters.
+_SYNC_LOCK: Final = threading.Lock()
+_SYNC: Final[dict[Engine, _SyncListener]] = {}
+
+
+@contextlib.contextmanager
+def subscribed_sync(engine: Engine, task_id: str) -> Iterator[threading.Event]:
+    """`subscribed` for a synchronous engine."""
+    event = threading.Event()
+    with _SYNC_LOCK:
+        listener = _SYNC.get(engine)
+        if listener is None:
+            listener = _SYNC[engine] = _SyncListener(engine)
+        listener.waiters.add(task_id, event)
+    try:
+        listener.started.wait()
+        if listener.failure is not None:
+            raise listener.failure
+        yield event
+    finally:
+        with _SYNC_LOCK:
+            listener.waiters.remove(task_id, event)
+            if not listener.waiters.count:
+                listener.stopped = True
+                if _SYNC.get(engine) is listener:
+                    del _SYNC[engine]

@@ -1,0 +1,293 @@
+"""Result waiters share one listening connection per engine, and outlive it.
+
+``wait_for_result`` and ``wait_for_result_async`` each used to hold a connection of the engine's
+pool (LISTENing) for as long as they waited: more concurrent waiters than the pool holds timed
+out on the pool. Now every waiter of an engine shares one listening connection, which is
+closed when the last one leaves and reopened when it breaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from sqlalchemy_pgtask import (
+    EnqueueRequest,
+    Task,
+    enqueue_many,
+    wait_for_result,
+    wait_for_result_async,
+)
+from sqlalchemy_pgtask.testing import wait_until as wait_until_async
+from tests.support.urls import libpq_url
+from tests.support.waiting import PATIENCE, SLOW_POLL, wait_until
+
+WAITERS = 12
+#: A pool far smaller than the waiters: each waiter needs a connection only to read.
+POOL = {"pool_size": 2, "max_overflow": 0, "pool_timeout": PATIENCE}
+
+
+def add_tasks(url: str, count: int) -> list[uuid.UUID]:
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            results = enqueue_many(conn, [EnqueueRequest(name="job") for _ in range(count)])
+        return [r.id for r in results]
+    finally:
+        engine.dispose()
+
+
+def finish(url: str, ids: list[uuid.UUID]) -> None:
+    """Mark the tasks succeeded (the terminal trigger sends their notifications)."""
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        conn.execute(
+            "UPDATE pgtask.tasks SET state = 'succeeded', result = '\"done\"',"
+            " completed_at = statement_timestamp() WHERE id = ANY(%s)",
+            (ids,),
+        )
+
+
+def listeners(url: str) -> list[int]:
+    """Backend pids LISTENing on the result channel in this test's database."""
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+            " AND query = 'LISTEN pgtask_result'"
+        ).fetchall()
+    return [row[0] for row in rows]
+
+
+def reconnected(url: str, before: list[int]) -> bool:
+    """One listener again, and not the one before."""
+    now = listeners(url)
+    return len(now) == 1 and now != before
+
+
+def terminate(url: str, pids: list[int]) -> None:
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        conn.execute("SELECT pg_terminate_backend(pid) FROM unnest(%s::int[]) AS pid", (pids,))
+
+
+class Reads:
+    """Counts the waiters' reads of the tasks table on ``engine``."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+        event.listen(engine, "after_cursor_execute", self._seen)
+
+    def _seen(self, conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().upper().startswith("SELECT") and "pgtask.tasks" in statement:
+            with self._lock:
+                self.count += 1
+
+
+@pytest.fixture
+def small_pool_engine(pgtask_database_url: str) -> Iterator[Engine]:
+    engine = create_engine(pgtask_database_url, **POOL)
+    yield engine
+    engine.dispose()
+
+
+def wait_in_threads(
+    engine: Engine, ids: list[uuid.UUID]
+) -> tuple[list[threading.Thread], dict[uuid.UUID, Any]]:
+    outcome: dict[uuid.UUID, Any] = {}
+
+    def wait(task_id: uuid.UUID) -> None:
+        try:
+            outcome[task_id] = wait_for_result(
+                engine, task_id, timeout=2 * PATIENCE, poll_interval=SLOW_POLL
+            )
+        except BaseException as exc:  # reported by the assertions below
+            outcome[task_id] = exc
+
+    threads = [threading.Thread(target=wait, args=(i,), daemon=True) for i in ids]
+    for thread in threads:
+        thread.start()
+    return threads, outcome
+
+
+def assert_all_succeeded(outcome: dict[uuid.UUID, Any], ids: list[uuid.UUID]) -> None:
+    assert set(outcome) == set(ids)
+    errors = [o for o in outcome.values() if not isinstance(o, Task)]
+    assert not errors, errors[:3]
+    assert {o.state for o in outcome.values()} == {"succeeded"}
+
+
+def test_more_sync_waiters_than_the_pool_share_one_listener_and_are_woken(
+    pgtask_database_url: str, small_pool_engine: Engine
+) -> None:
+    ids = add_tasks(pgtask_database_url, WAITERS)
+    reads = Reads(small_pool_engine)
+    threads, outcome = wait_in_threads(small_pool_engine, ids)
+    # Every waiter read its task (pending) and waits now; their poll is far beyond PATIENCE.
+    wait_until(lambda: reads.count >= WAITERS, PATIENCE, message="every waiter's first read")
+    assert len(listeners(pgtask_database_url)) == 1
+    assert not outcome
+    finish(pgtask_database_url, ids)
+    for thread in threads:
+        thread.join(PATIENCE)
+    assert_all_succeeded(outcome, ids)
+    # The last waiter to leave closes the shared connection.
+    wait_until(lambda: not listeners(pgtask_database_url), PATIENCE, message="no listener")
+
+
+def test_sync_waiters_outlive_their_listening_connection(
+    pgtask_database_url: str, pgtask_engine: Engine
+) -> None:
+    ids = add_tasks(pgtask_database_url, 3)
+    reads = Reads(pgtask_engine)
+    threads, outcome = wait_in_threads(pgtask_engine, ids)
+    wait_until(lambda: reads.count >= 3, PATIENCE, message="every waiter's first read")
+    first = listeners(pgtask_database_url)
+    assert len(first) == 1
+    terminate(pgtask_database_url, first)
+    wait_until(lambda: reconnected(pgtask_database_url, first), PATIENCE, message="a new listener")
+    finish(pgtask_database_url, ids)
+    for thread in threads:
+        thread.join(PATIENCE)
+    assert_all_succeeded(outcome, ids)
+
+
+async def no_listener_left(url: str) -> None:
+    async def none() -> bool:  # a closed connection's backend may take a moment to exit
+        return not await asyncio.to_thread(listeners, url)
+
+    await wait_until_async(none, PATIENCE, message="no listener left")
+
+
+async def read_count_reaches(reads: Reads, count: int) -> None:
+    await wait_until_async(lambda: reads.count >= count, PATIENCE, message=f"{count} reads")
+
+
+async def test_more_async_waiters_than_the_pool_share_one_listener_and_are_woken(
+    pgtask_database_url: str,
+) -> None:
+    engine: AsyncEngine = create_async_engine(pgtask_database_url, **POOL)
+    try:
+        ids = await asyncio.to_thread(add_tasks, pgtask_database_url, WAITERS)
+        reads = Reads(engine.sync_engine)
+        waiters = [
+            asyncio.create_task(
+                wait_for_result_async(engine, i, timeout=2 * PATIENCE, poll_interval=SLOW_POLL)
+            )
+            for i in ids
+        ]
+        await read_count_reaches(reads, WAITERS)
+        assert len(await asyncio.to_thread(listeners, pgtask_database_url)) == 1
+        assert not any(w.done() for w in waiters)
+        await asyncio.to_thread(finish, pgtask_database_url, ids)
+        tasks = await asyncio.wait_for(asyncio.gather(*waiters), PATIENCE)
+        assert {t.state for t in tasks} == {"succeeded"}
+        assert [t.id for t in tasks] == ids
+        await no_listener_left(pgtask_database_url)
+    finally:
+        await engine.dispose()
+
+
+async def test_async_waiters_outlive_their_listening_connection(
+    pgtask_database_url: str, pgtask_async_engine: AsyncEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="sqlalchemy_pgtask.results")
+    ids = await asyncio.to_thread(add_tasks, pgtask_database_url, 3)
+    reads = Reads(pgtask_async_engine.sync_engine)
+    waiters = [
+        asyncio.create_task(
+            wait_for_result_async(
+                pgtask_async_engine, i, timeout=2 * PATIENCE, poll_interval=SLOW_POLL
+            )
+        )
+        for i in ids
+    ]
+    await read_count_reaches(reads, 3)
+    first = await asyncio.to_thread(listeners, pgtask_database_url)
+    assert len(first) == 1
+    await asyncio.to_thread(terminate, pgtask_database_url, first)
+
+    async def new_listener() -> bool:
+        return await asyncio.to_thread(reconnected, pgtask_database_url, first)
+
+    await wait_until_async(new_listener, PATIENCE, message="a new listener")
+    await asyncio.to_thread(finish, pgtask_database_url, ids)
+    tasks = await asyncio.wait_for(asyncio.gather(*waiters), PATIENCE)
+    assert {t.state for t in tasks} == {"succeeded"}
+    assert any("reconnecting" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_listener_that_cannot_connect_fails_its_waiters_and_the_next_ones_try_again(
+    pgtask_database_url: str,
+) -> None:
+    engine = create_async_engine(pgtask_database_url.rsplit("/", 1)[0] + "/no_such_database")
+    try:
+        for _ in range(2):
+            waiters = [
+                asyncio.create_task(wait_for_result_async(engine, uuid.uuid4(), timeout=PATIENCE))
+                for _ in range(3)
+            ]
+            done = await asyncio.wait_for(
+                asyncio.gather(*waiters, return_exceptions=True), PATIENCE
+            )
+            assert all(isinstance(d, Exception) for d in done), done
+            assert all("no_such_database" in str(d) for d in done), done
+    finally:
+        await engine.dispose()
+    sync = create_engine(pgtask_database_url.rsplit("/", 1)[0] + "/no_such_database")
+    try:
+        for _ in range(2):
+            with pytest.raises(Exception, match="no_such_database"):
+                await asyncio.to_thread(wait_for_result, sync, uuid.uuid4(), timeout=PATIENCE)
+    finally:
+        sync.dispose()
+
+
+async def test_two_waiters_of_one_task_are_both_woken(
+    pgtask_database_url: str, pgtask_async_engine: AsyncEngine
+) -> None:
+    [task_id] = await asyncio.to_thread(add_tasks, pgtask_database_url, 1)
+    reads = Reads(pgtask_async_engine.sync_engine)
+    both = [
+        asyncio.create_task(
+            wait_for_result_async(
+                pgtask_async_engine, task_id, timeout=2 * PATIENCE, poll_interval=SLOW_POLL
+            )
+        )
+        for _ in range(2)
+    ]
+    await read_count_reaches(reads, 2)
+    await asyncio.to_thread(finish, pgtask_database_url, [task_id])
+    first, second = await asyncio.wait_for(asyncio.gather(*both), PATIENCE)
+    assert first.id == second.id == task_id
+    assert first.state == second.state == "succeeded"
+
+
+async def test_a_cancelled_waiter_leaves_the_others_listening_and_the_last_closes_it(
+    pgtask_database_url: str, pgtask_async_engine: AsyncEngine
+) -> None:
+    ids = await asyncio.to_thread(add_tasks, pgtask_database_url, 2)
+    reads = Reads(pgtask_async_engine.sync_engine)
+    gone, kept = (
+        asyncio.create_task(
+            wait_for_result_async(
+                pgtask_async_engine, task_id, timeout=2 * PATIENCE, poll_interval=SLOW_POLL
+            )
+        )
+        for task_id in ids
+    )
+    await read_count_reaches(reads, 2)
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert len(await asyncio.to_thread(listeners, pgtask_database_url)) == 1
+    await asyncio.to_thread(finish, pgtask_database_url, ids)
+    assert (await asyncio.wait_for(kept, PATIENCE)).state == "succeeded"
+    await no_listener_left(pgtask_database_url)
