@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
 import weakref
@@ -208,8 +209,21 @@ class _SyncListener:
 
 
 #: Guards `_SYNC` and every synchronous listener's waiters.
-_SYNC_LOCK: Final = threading.Lock()
+_SYNC_LOCK = threading.Lock()
 _SYNC: Final[dict[Engine, _SyncListener]] = {}
+
+
+def _forget_after_fork() -> None:
+    # A forked child has none of its parent's listener threads, and must not read their
+    # connections: its first waiter starts afresh (the lock may have been held at the fork).
+    global _SYNC_LOCK
+    _SYNC_LOCK = threading.Lock()
+    _SYNC.clear()
+    _ASYNC.clear()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 @contextlib.contextmanager

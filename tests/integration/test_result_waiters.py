@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -291,3 +294,59 @@ async def test_a_cancelled_waiter_leaves_the_others_listening_and_the_last_close
     await asyncio.to_thread(finish, pgtask_database_url, ids)
     assert (await asyncio.wait_for(kept, PATIENCE)).state == "succeeded"
     await no_listener_left(pgtask_database_url)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_a_waiter_waits_listens_for_itself(
+    pgtask_database_url: str, pgtask_engine: Engine
+) -> None:
+    parent_task, child_task = add_tasks(pgtask_database_url, 2)
+    reads = Reads(pgtask_engine)
+    threads, outcome = wait_in_threads(pgtask_engine, [parent_task])
+    # The parent's waiter has read and given its connection back: only the listener's is out.
+    pool: Any = pgtask_engine.pool
+    wait_until(
+        lambda: reads.count >= 1 and pool.checkedout() == 1,
+        PATIENCE, message="the parent's waiter waiting",
+    )
+    pid = os.fork()
+    if pid == 0:  # the child reports through its exit status only, never back into pytest
+        code = 1
+        try:
+            pgtask_engine.dispose(close=False)  # the parent's pooled connections stay its own
+            child_reads = Reads(pgtask_engine)
+
+            def finish_once_read() -> None:
+                wait_until(lambda: child_reads.count >= 1, PATIENCE, message="the child's read")
+                finish(pgtask_database_url, [child_task])
+
+            threading.Thread(target=finish_once_read, daemon=True).start()
+            # Its poll and timeout are far beyond the parent's deadline: only a notification
+            # to a listener of its own ends the wait in time.
+            task = wait_for_result(
+                pgtask_engine, child_task, timeout=4 * PATIENCE, poll_interval=SLOW_POLL
+            )
+            code = 0 if task.state == "succeeded" else 2
+        except BaseException:
+            code = 3
+        finally:
+            os._exit(code)
+    assert exit_code_within(pid, PATIENCE) == 0
+    finish(pgtask_database_url, [parent_task])
+    for thread in threads:
+        thread.join(PATIENCE)
+    assert_all_succeeded(outcome, [parent_task])
+
+
+def exit_code_within(pid: int, seconds: float) -> int:
+    """The forked child's exit code; killed (and the test failed) if it runs past ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError(f"the child did not end within {seconds:.0f} s")
+        time.sleep(0.05)  # polling a child's exit status, not synchronisation
