@@ -37,6 +37,7 @@ from sqlalchemy.exc import DBAPIError
 
 from sqlalchemy_pgtask._cron import Occurrences, Recurrence, RecurrenceError, plan_occurrences
 from sqlalchemy_pgtask._enqueue_plan import new_ids
+from sqlalchemy_pgtask._failures import brief, is_transient
 from sqlalchemy_pgtask.statements import NOW
 from sqlalchemy_pgtask.statements.schedule import ADVANCE, DUE_SCHEDULES, MATERIALIZE
 
@@ -83,19 +84,6 @@ _PERMISSION_DENIED: Final = "42501"
 
 def _sqlstate(exc: DBAPIError) -> str | None:
     return getattr(exc.orig, "sqlstate", None)
-
-
-def brief(exc: BaseException) -> str:
-    # Imported late: the worker package imports the public API, which imports this module.
-    from sqlalchemy_pgtask.worker._reconnect import brief as describe
-
-    return describe(exc)
-
-
-def is_transient(exc: BaseException) -> bool:
-    from sqlalchemy_pgtask.worker._reconnect import is_transient as transient
-
-    return transient(exc)
 
 
 def _insert(connection: Connection, name: str, due: Sequence[datetime], cursor: datetime) -> int:

@@ -34,24 +34,21 @@ from sqlalchemy_pgtask._connection import (
     listening_connection,
     listening_connection_sync,
 )
+from sqlalchemy_pgtask._failures import Backoff, brief
 
 __all__ = ["subscribed", "subscribed_sync"]
 
 logger = logging.getLogger("sqlalchemy_pgtask.results")
 
-#: Seconds before a broken listener connects again (doubling up to `_RECONNECT_CAP`).
-_RECONNECT_FIRST: Final = 0.1
-_RECONNECT_CAP: Final = 5.0
 #: How long the synchronous listener blocks in one read: the latest it notices that its last
 #: waiter left.
 _SYNC_READ: Final = 0.5
 
 
 def _lost(exc: BaseException, delay: float) -> None:
-    text = str(exc).strip()
     logger.warning(
         "the result waiters' listening connection failed (%s); reconnecting in %.2fs",
-        text.splitlines()[0] if text else type(exc).__name__, delay,
+        brief(exc), delay,
     )
 
 
@@ -103,13 +100,13 @@ class _AsyncListener:
         )
 
     async def _run(self) -> None:
-        delay = _RECONNECT_FIRST
+        backoff = Backoff()
         while True:
             try:
                 async with listening_connection(
                     self._engine, RESULT_CHANNEL, timeout=self._timeout
                 ) as listener:
-                    delay = _RECONNECT_FIRST
+                    backoff.reset()
                     self.started.set()
                     self.waiters.wake_all()  # deaf until now: anything may have finished
                     async for payload in listener.payloads():
@@ -118,9 +115,9 @@ class _AsyncListener:
                 if not self.started.is_set():
                     self._fail(exc)
                     return
+                delay = backoff.next()
                 _lost(exc, delay)
-            await asyncio.sleep(delay)
-            delay = min(_RECONNECT_CAP, delay * 2)
+                await asyncio.sleep(delay)
 
     def _fail(self, exc: BaseException) -> None:
         self.failure = exc
@@ -176,17 +173,14 @@ class _SyncListener:
         self.failure: BaseException | None = None
         #: Set (under `_SYNC_LOCK`) when the last waiter left: the thread closes the connection.
         self.stopped = False
-        self.thread = threading.Thread(
-            target=self._run, name="pgtask-result-listener", daemon=True
-        )
-        self.thread.start()
+        threading.Thread(target=self._run, name="pgtask-result-listener", daemon=True).start()
 
     def _run(self) -> None:
-        delay = _RECONNECT_FIRST
+        backoff = Backoff()
         while not self.stopped:
             try:
                 with listening_connection_sync(self._engine, RESULT_CHANNEL) as listener:
-                    delay = _RECONNECT_FIRST
+                    backoff.reset()
                     self.started.set()
                     with _SYNC_LOCK:
                         self.waiters.wake_all()
@@ -202,10 +196,9 @@ class _SyncListener:
                             del _SYNC[self._engine]
                     self.started.set()
                     return
+                delay = backoff.next()
                 _lost(exc, delay)
-            if not self.stopped:
                 time.sleep(delay)  # a backoff before reconnecting; waiters poll meanwhile
-                delay = min(_RECONNECT_CAP, delay * 2)
 
 
 #: Guards `_SYNC` and every synchronous listener's waiters.

@@ -1,5 +1,7 @@
-"""worker._reconnect: which failures are worth retrying, how long to wait, held connections,
-and the engine a worker makes for itself from a URL (`owned_engine`, with `load_json`).
+"""worker._reconnect: which failures are worth retrying, how long to wait (both from
+`sqlalchemy_pgtask._failures`, which the scheduler and the result waiters share), held
+connections, and the engine a worker makes for itself from a URL (`owned_engine`, with
+`load_json`).
 
 Every loop of the worker retries transient failures (a lost or refused connection, a lock or
 statement timeout, a serialisation failure) after a backoff with full jitter, so reconnecting
@@ -12,71 +14,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import random
 from collections.abc import AsyncIterator, Sequence
 from typing import Final
 
-import psycopg
 from sqlalchemy import URL, func, make_url, select, text
-from sqlalchemy.exc import DBAPIError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+# Re-exported: the worker's loops import them from here.
+from sqlalchemy_pgtask._failures import Backoff, brief, is_transient
 from sqlalchemy_pgtask.worker._observer import NO_OBSERVER, Observer
 
 __all__ = [
     "PLANNER_SETTINGS", "Backoff", "HeldConnection", "brief", "is_transient", "load_json",
     "owned_engine",
 ]
-
-
-class Backoff:
-    """Bounded exponential backoff with full jitter."""
-
-    def __init__(self, base: float = 0.1, cap: float = 5.0) -> None:
-        self._base = base
-        self._cap = cap
-        self._failures = 0
-
-    def reset(self) -> None:
-        self._failures = 0
-
-    def next(self) -> float:
-        ceiling = min(self._cap, self._base * 2**self._failures)
-        self._failures = min(self._failures + 1, 32)
-        return random.uniform(ceiling / 2, ceiling)  # noqa: S311 - spread, not secrecy
-
-
-def brief(exc: BaseException) -> str:
-    """One line about a failure, without the statement and its parameters (task data)."""
-    cause = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
-    lines = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {lines[0] if lines else ''}"
-
-
-#: SQLSTATEs worth retrying that psycopg does not raise as ``OperationalError``: a server
-#: that is read-only for now (a standby, or an old primary after a failover) and the
-#: recovery-time and shutdown classes.
-_TRANSIENT_SQLSTATES: Final = frozenset({"25006", "57P01", "57P02", "57P03", "53300"})
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Retry after backoff? A lost connection also means a transaction's outcome is unknown.
-
-    psycopg's ``OperationalError`` covers connection loss, ``lock_timeout`` and
-    ``statement_timeout`` (``QueryCanceled``), serialisation failures and deadlocks.
-    """
-    if isinstance(exc, DBAPIError):
-        return (
-            bool(exc.connection_invalidated)
-            or isinstance(exc.orig, (psycopg.OperationalError, psycopg.InterfaceError))
-            or getattr(exc.orig, "sqlstate", None) in _TRANSIENT_SQLSTATES
-        )
-    if getattr(exc, "sqlstate", None) in _TRANSIENT_SQLSTATES:
-        return True
-    return isinstance(
-        exc, (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout, OSError, TimeoutError)
-    )
 
 
 #: Planner settings for the worker's connections. Every statement they run is meant to probe an
