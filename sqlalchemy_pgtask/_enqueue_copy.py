@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 if TYPE_CHECKING:
     from sqlalchemy_pgtask._enqueue_plan import TaskRow
 
-__all__ = ["COPY_MIN_ROWS", "copy_rows", "copy_rows_async", "copy_rows_sync"]
+__all__ = ["COPY_MIN_ROWS", "copy_rows_async", "copy_rows_sync", "copyable"]
 
 #: The smallest batch sent with ``COPY``: below it a statement's arrays cost less than
 #: ``COPY``'s extra protocol messages.
@@ -40,11 +40,10 @@ _COPY_TASKS_RUN_AT: Final = f"COPY pgtask.tasks ({_COLUMNS}, run_at) FROM STDIN"
 _NOW: Final = "SELECT pgtask.now(), pgtask.now() = statement_timestamp()"
 
 
-def copy_rows(rows: Sequence[TaskRow]) -> Sequence[TaskRow] | None:
-    """``rows`` if they can be copied, else None: too few, or a delay."""
-    if len(rows) < COPY_MIN_ROWS or any(row.delay for row in rows):
-        return None
-    return rows
+def copyable(rows: Sequence[TaskRow]) -> bool:
+    """Whether ``rows`` are sent with ``COPY`` (by a psycopg connection): enough of them, and
+    none with an idempotency key or a delay."""
+    return len(rows) >= COPY_MIN_ROWS and not any(row.delay or row.key for row in rows)
 
 
 def _plan(rows: Sequence[TaskRow], now: Any, real: bool) -> tuple[str, Iterable[tuple[Any, ...]]]:

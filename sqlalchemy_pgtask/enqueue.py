@@ -28,7 +28,7 @@ from sqlalchemy_pgtask._connection import (
     translated_errors,
 )
 from sqlalchemy_pgtask._driver_sql import execute, execute_async
-from sqlalchemy_pgtask._enqueue_copy import copy_rows_async, copy_rows_sync
+from sqlalchemy_pgtask._enqueue_copy import copy_rows_async, copy_rows_sync, copyable
 from sqlalchemy_pgtask._enqueue_plan import (
     DEFAULT_QUEUE,
     EnqueueRequest,
@@ -59,8 +59,6 @@ def _execute(bind: Session | Connection, plan: Plan) -> list[EnqueueResult]:
     connection = connection_of(bind)
     steps = execution(plan)
     with translated_errors(idempotent=plan.idempotent):
-        if plan.copy_rows is not None and copy_rows_sync(connection, plan.copy_rows):
-            return [EnqueueResult(row.id, True) for row in plan.rows]
         statement, params = next(steps)
         while True:
             result = execute(connection, statement, params)
@@ -75,8 +73,6 @@ async def _execute_async(bind: AsyncSession | AsyncConnection, plan: Plan) -> li
     connection = await async_connection_of(bind)
     steps = execution(plan)
     with translated_errors(idempotent=plan.idempotent):
-        if plan.copy_rows is not None and await copy_rows_async(connection, plan.copy_rows):
-            return [EnqueueResult(row.id, True) for row in plan.rows]
         statement, params = next(steps)
         while True:
             result = await execute_async(connection, statement, params)
@@ -180,6 +176,10 @@ def enqueue_many(bind: SyncBind, requests: Iterable[EnqueueRequest]) -> list[Enq
     rows = validate_many(requests)
     if not rows:
         return []
+    if copyable(rows):
+        with translated_errors(idempotent=False):
+            if copy_rows_sync(connection_of(target), rows):
+                return [EnqueueResult(row.id, True) for row in rows]
     return _execute(target, plan_many(rows))
 
 
@@ -191,4 +191,8 @@ async def enqueue_many_async(
     rows = validate_many(requests)
     if not rows:
         return []
+    if copyable(rows):
+        with translated_errors(idempotent=False):
+            if await copy_rows_async(await async_connection_of(target), rows):
+                return [EnqueueResult(row.id, True) for row in rows]
     return await _execute_async(target, plan_many(rows))

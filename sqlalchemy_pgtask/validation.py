@@ -8,13 +8,19 @@ here first gives a typed error and leaves the caller's transaction usable.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import re
 from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
-from typing import Any, Final
+from typing import Final
 
+from sqlalchemy_pgtask._json_text import (
+    encode,
+    find_nul,
+    has_exponent,
+    jsonb_text_size,
+    scalar_text,
+)
 from sqlalchemy_pgtask.errors import InvalidNameError, InvalidOptionError, PayloadError
 
 __all__ = [
@@ -244,106 +250,6 @@ def check_poll_interval(field: str, value: object) -> float:
     return seconds
 
 
-def _find_nul(value: Any, path: str) -> str | None:
-    """Return the path of the first string holding NUL (PostgreSQL's jsonb rejects it)."""
-    if isinstance(value, str):
-        return path if "\x00" in value else None
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            if isinstance(key, str) and "\x00" in key:
-                return f"{path} key {key!r}"
-            found = _find_nul(item, f"{path}[{key!r}]")
-            if found:
-                return found
-    elif isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            found = _find_nul(item, f"{path}[{index}]")
-            if found:
-                return found
-    return None
-
-
-# A JSON string (escapes included), matched whole so nothing inside one is read as a number;
-# or a number, whose groups are set when it has an exponent.
-_JSON_TOKEN: Final = re.compile(
-    r'"[^"\\]*(?:\\.[^"\\]*)*"'
-    r"|(-?)(\d+)(?:\.(\d+))?(?:[eE]([+-]?\d+))?"
-)
-# Python writes a float in exponent form as "1e+300" or "1.5e-07": text without a
-# digit-e-sign-digit run holds no such float, and skips the scan (the common case).
-# Searched from the "e": a pattern that starts with a class is tried at every character
-# (~130 us for a 10 KB payload), one that starts with a literal jumps between its matches.
-_EXPONENT: Final = re.compile(r"e[+-]\d")
-
-
-def _has_exponent(text: str) -> bool:
-    for match in _EXPONENT.finditer(text):
-        at = match.start()
-        if at and text[at - 1] in "0123456789":
-            return True
-    return False
-
-
-def _numeric_text_length(sign: str, whole: str, fraction: str, exponent: int) -> int:
-    """The length of PostgreSQL's ``numeric`` text for a JSON number in exponent form.
-
-    ``numeric`` never prints an exponent: the digits are written out, with as many decimals
-    as the input had minus the exponent (``1e300`` is 301 digits, ``1.5e-07`` is
-    ``0.00000015``), and no sign on zero.
-    """
-    digits = whole + fraction
-    significant = digits.lstrip("0")
-    scale = max(0, len(fraction) - exponent)
-    if significant:
-        point = len(whole) + exponent  # digits before the decimal point, leading zeros included
-        integer = max(1, point - (len(digits) - len(significant)))
-    else:
-        sign, integer = "", 1
-    return len(sign) + integer + (1 + scale if scale else 0)
-
-
-def jsonb_text_size(text: str) -> int:
-    """The bytes of ``text`` once cast to ``jsonb`` and printed back, as the CHECKs measure.
-
-    Serialised with PostgreSQL's separators, the text has the same size as jsonb's output,
-    except for floats in exponent form, which jsonb writes out in full; those are counted
-    exactly (by a scan that runs only when the text has one).
-    """
-    size = len(text.encode("utf-8", "surrogatepass"))
-    if not _has_exponent(text):
-        return size
-    for token in _JSON_TOKEN.finditer(text):
-        sign, whole, fraction, exponent = token.groups()
-        if exponent is not None:
-            numeric = _numeric_text_length(sign, whole, fraction or "", int(exponent))
-            size += numeric - len(token.group())
-    return size
-
-
-#: ``json.dumps`` with options builds an encoder per call; one is enough.
-_ENCODER: Final = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
-
-
-def _scalar_text(value: object) -> str | None:
-    """``value``'s JSON text as the encoder writes it, if it is a plain scalar (else None).
-
-    A handler's usual result is one: no encoder set-up, nor the scans a document needs (no NUL,
-    surrogate or escape can be in it). Non-finite floats are left to the encoder, which refuses
-    them. Raises ValueError for an int too long to print.
-    """
-    if value is None:
-        return "null"
-    if value is True:
-        return "true"
-    if value is False:
-        return "false"
-    if type(value) is int:
-        return int.__repr__(value)
-    if type(value) is float and math.isfinite(value):
-        return float.__repr__(value)
-    return None
-
-
 def dump_json(field: str, value: object, max_bytes: int) -> str:
     """Serialise ``value`` to the JSON text that will be cast to ``jsonb``.
 
@@ -352,8 +258,8 @@ def dump_json(field: str, value: object, max_bytes: int) -> str:
     full), so a value accepted here is never rejected by the database.
     """
     try:
-        scalar = _scalar_text(value)
-        text = _ENCODER(value) if scalar is None else scalar
+        scalar = scalar_text(value)
+        text = encode(value) if scalar is None else scalar
     except (TypeError, ValueError) as exc:
         raise PayloadError(field, f"is not JSON-serialisable: {exc}") from exc
     except RecursionError as exc:
@@ -365,7 +271,7 @@ def dump_json(field: str, value: object, max_bytes: int) -> str:
         return scalar
     # Only a JSON escape can put NUL in the text, so the walk runs only when it is needed.
     if "\\u0000" in text:
-        where = _find_nul(value, field)
+        where = find_nul(value, field)
         if where is not None:
             raise PayloadError(field, f"contains a NUL character at {where}")
     surrogate: UnicodeEncodeError | None = None
@@ -377,7 +283,7 @@ def dump_json(field: str, value: object, max_bytes: int) -> str:
         except UnicodeEncodeError as exc:
             surrogate = exc
             size = len(text.encode("utf-8", "surrogatepass"))
-    if _has_exponent(text):
+    if has_exponent(text):
         size = jsonb_text_size(text)
     # Too large is reported before an unpaired surrogate: the size is the first thing a caller
     # with a bad payload needs to hear about, and it was reported first before the fast path.

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import pickle
 import time
+import uuid
 
+import pytest
+
+from sqlalchemy_pgtask import _ids
 from sqlalchemy_pgtask._enqueue_plan import new_ids as _uuid7s
 
 
@@ -32,3 +37,28 @@ def test_the_timestamp_is_the_current_unix_millisecond() -> None:
     stamp = _uuid7s(1)[0].int >> 80
     after = time.time_ns() // 1_000_000
     assert before <= stamp <= after
+
+
+def test_ids_are_uuids_in_every_respect_of_the_constructors_own() -> None:
+    for task_id in _uuid7s(50):
+        built = uuid.UUID(int=task_id.int)
+        assert type(task_id) is uuid.UUID
+        assert task_id == built
+        assert hash(task_id) == hash(built)
+        assert str(task_id) == str(built)
+        assert task_id.bytes == built.bytes
+        assert task_id.is_safe is built.is_safe
+        assert pickle.loads(pickle.dumps(task_id)) == built
+        assert uuid.UUID(str(task_id)) == task_id
+
+
+def test_a_python_whose_uuid_cannot_be_built_directly_gets_the_constructor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def laid_out_otherwise(value: int) -> uuid.UUID:
+        raise AttributeError("'UUID' object has no attribute 'int'")
+
+    monkeypatch.setattr(_ids, "_uuid_from_int", laid_out_otherwise)
+    make = _ids._id_maker()
+    assert make is not laid_out_otherwise
+    assert make(12345) == uuid.UUID(int=12345)
