@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import os
 import threading
@@ -79,6 +80,18 @@ class _Waiters:
         for events in self.by_id.values():
             for event in events:
                 event.set()
+
+
+def _own(failure: BaseException) -> BaseException:
+    """``failure`` as one waiter raises it: a copy, or each waiter that raised the one object
+    (in its own thread or task) would splice its frames into the others' traceback."""
+    try:
+        own = copy.copy(failure)
+    except Exception:  # an exception that cannot be rebuilt from its arguments
+        return failure
+    own.__cause__, own.__context__ = failure.__cause__, failure.__context__
+    own.__suppress_context__ = failure.__suppress_context__
+    return own.with_traceback(failure.__traceback__)
 
 
 # -- async ------------------------------------------------------------------------------------
@@ -148,7 +161,7 @@ async def subscribed(
     try:
         await listener.started.wait()
         if listener.failure is not None:
-            raise listener.failure
+            raise _own(listener.failure)
         yield event
     finally:
         listener.waiters.remove(task_id, event)
@@ -231,7 +244,7 @@ def subscribed_sync(engine: Engine, task_id: str) -> Iterator[threading.Event]:
     try:
         listener.started.wait()
         if listener.failure is not None:
-            raise listener.failure
+            raise _own(listener.failure)
         yield event
     finally:
         with _SYNC_LOCK:

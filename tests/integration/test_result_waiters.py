@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -37,6 +38,12 @@ from tests.support.waiting import PATIENCE, SLOW_POLL, wait_until
 WAITERS = 12
 #: A pool far smaller than the waiters: each waiter needs a connection only to read.
 POOL = {"pool_size": 2, "max_overflow": 0, "pool_timeout": PATIENCE}
+
+
+def frames(exc: BaseException, function: str) -> int:
+    """How many frames of ``function`` the traceback of ``exc`` passes through."""
+    return sum(1 for frame, _ in traceback.walk_tb(exc.__traceback__)
+               if frame.f_code.co_name == function)
 
 
 def add_tasks(url: str, count: int) -> list[uuid.UUID]:
@@ -242,6 +249,13 @@ async def test_a_listener_that_cannot_connect_fails_its_waiters_and_the_next_one
             )
             assert all(isinstance(d, Exception) for d in done), done
             assert all("no_such_database" in str(d) for d in done), done
+            # Each waiter raises its own copy of the one failure: raising one object in
+            # three waiters spliced the three waiters' frames into one traceback.
+            assert len({id(d) for d in done}) == 3
+            assert len({type(d) for d in done}) == 1
+            assert [frames(d, "subscribed") for d in done if isinstance(d, BaseException)] == [
+                1, 1, 1
+            ]
     finally:
         await engine.dispose()
     sync = create_engine(pgtask_database_url.rsplit("/", 1)[0] + "/no_such_database")
