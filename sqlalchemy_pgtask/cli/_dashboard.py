@@ -48,7 +48,13 @@ def dashboard(args: argparse.Namespace) -> int:
             with engine.connect() as connection:
                 if not status.schema_installed(connection):
                     raise SchemaNotInstalled()
-            app = create_app(engine, admin_token=token)
+            options = {} if args.session_max_age is None else {
+                "session_max_age": args.session_max_age
+            }
+            try:
+                app = create_app(engine, admin_token=token, **options)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from exc
             mode = "actions need the admin token" if token else "read-only: no admin token"
             print(f"pgtask dashboard on http://{args.host}:{args.port}/ ({mode})", flush=True)
             uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -117,6 +123,10 @@ def add_commands(commands: Any) -> None:
     command.add_argument(
         "--admin-token", metavar="TOKEN",
         help=f"enables actions (default: ${TOKEN_ENV}; prefer the variable)",
+    )
+    command.add_argument(
+        "--session-max-age", metavar="SECONDS", type=int_between(1, 2**31),
+        help="how long a login lasts, 60 s to 400 days (default: 43200, 12 hours)",
     )
     command.add_argument(
         "--log-level", choices=("debug", "info", "warning", "error"), default="info",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -31,7 +31,14 @@ from starlette.staticfiles import StaticFiles
 
 from sqlalchemy_pgtask import status
 from sqlalchemy_pgtask.dashboard._queries import PAGE_SIZE_MAX
-from sqlalchemy_pgtask.dashboard._security import CSRF_FIELD, ActorHook, Guard
+from sqlalchemy_pgtask.dashboard._security import (
+    CSRF_FIELD,
+    SESSION_MAX_AGE,
+    SESSION_MAX_AGE_MAX,
+    SESSION_MAX_AGE_MIN,
+    ActorHook,
+    Guard,
+)
 from sqlalchemy_pgtask.dashboard._task_list import SCAN_LIMIT
 from sqlalchemy_pgtask.errors import (
     PgTaskError,
@@ -194,6 +201,18 @@ class Dashboard:
         )
 
 
+def _session_seconds(value: object) -> int:
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"session_max_age must be seconds or a timedelta, got {value!r}")
+    if not SESSION_MAX_AGE_MIN <= value <= SESSION_MAX_AGE_MAX:
+        raise ValueError(
+            f"session_max_age must be {SESSION_MAX_AGE_MIN} s to 400 days, got {value!r}"
+        )
+    return int(value)
+
+
 def _engine(engine_or_url: Engine | str | URL) -> tuple[Engine, bool]:
     if isinstance(engine_or_url, Engine):
         return engine_or_url, False
@@ -238,6 +257,7 @@ def create_app(
     page_size: int = 50,
     scan_limit: int = SCAN_LIMIT,
     title: str = "pgtask",
+    session_max_age: float | timedelta = SESSION_MAX_AGE,
 ) -> Starlette:
     """The dashboard as a Starlette (ASGI) application: serve it, or mount it in your own.
 
@@ -253,8 +273,11 @@ def create_app(
     :param scan_limit: the most tasks one page of a filtered task list reads before it shows
         what it found and offers to search older tasks (at least ``page_size``).
     :param title: shown in the page header and title.
-    :raises ValueError: a bad page size or scan limit, an empty token, or a URL that is not
-        PostgreSQL's.
+    :param session_max_age: how long a login lasts (seconds or a `timedelta`; 60 s to 400
+        days, default 12 hours): the session cookie is refused after it, and the browser
+        drops it.
+    :raises ValueError: a bad page size, scan limit or session age, a token shorter than 8
+        characters, or a URL that is not PostgreSQL's.
 
     Every action is a POST with a CSRF token; see docs/dashboard.md.
     """
@@ -266,9 +289,10 @@ def create_app(
         raise ValueError(f"scan_limit must be at least page_size ({page_size}), got {scan_limit}")
     if admin_token is not None and len(admin_token) < 8:
         raise ValueError("admin_token must be at least 8 characters")
+    max_age = _session_seconds(session_max_age)
     engine, owned = _engine(engine_or_url)
     dashboard = Dashboard(
-        engine, Guard(admin_token, actor_from_request), page_size=page_size,
+        engine, Guard(admin_token, actor_from_request, max_age), page_size=page_size,
         scan_limit=scan_limit, title=title,
     )
 

@@ -6,9 +6,10 @@ Three ways to be an admin, checked in this order:
 * the host application's ``actor_from_request(request)`` hook returns an actor (its own auth,
   when the dashboard is mounted inside it);
 * an ``Authorization: Bearer <token>`` header carrying the admin token;
-* the session cookie the login form sets: an HMAC of the operator's name keyed by the token,
-  so the cookie proves the token was known without holding it, and changing the token logs
-  everyone out.
+* the session cookie the login form sets: the operator's name and the time of the login,
+  with an HMAC of both keyed by the token, so the cookie proves the token was known without
+  holding it, expires `Guard.session_max_age` seconds after the login, and changing the token
+  logs everyone out.
 
 Tokens and MACs are compared with `hmac.compare_digest` (constant time). Every POST, login
 included, must carry the CSRF token: a random value in an HttpOnly, SameSite=Strict cookie
@@ -22,6 +23,7 @@ import hashlib
 import hmac
 import re
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
@@ -33,6 +35,9 @@ __all__ = [
     "CSRF_COOKIE",
     "CSRF_FIELD",
     "SESSION_COOKIE",
+    "SESSION_MAX_AGE",
+    "SESSION_MAX_AGE_MAX",
+    "SESSION_MAX_AGE_MIN",
     "ActorHook",
     "Guard",
     "check_operator_name",
@@ -47,7 +52,15 @@ ActorHook = Callable[[Request], "str | None"]
 
 #: An operator's name at login: recorded as ``dashboard:<name>``.
 _NAME: Final = re.compile(r"[A-Za-z0-9._@+-]{1,64}")
-_SESSION_CONTEXT: Final = b"sqlalchemy-pgtask dashboard session v1\x00"
+_SESSION_CONTEXT: Final = b"sqlalchemy-pgtask dashboard session v2\x00"
+#: How long a login lasts unless ``create_app`` is told otherwise: a working day; and what it
+#: accepts (browsers keep a cookie 400 days at most).
+SESSION_MAX_AGE: Final = 12 * 3600
+SESSION_MAX_AGE_MIN: Final = 60
+SESSION_MAX_AGE_MAX: Final = 400 * 86400
+#: A login stamped this far ahead of this host's clock still counts (hosts' clocks differ).
+_CLOCK_SKEW: Final = 300
+_STAMP: Final = re.compile(r"[0-9]{1,12}")
 
 
 def check_operator_name(name: str) -> str | None:
@@ -67,6 +80,8 @@ class Guard:
 
     admin_token: str | None
     actor_from_request: ActorHook | None
+    #: Seconds a login's session cookie is accepted for (and kept by the browser).
+    session_max_age: int = SESSION_MAX_AGE
 
     @property
     def actions_possible(self) -> bool:
@@ -75,16 +90,36 @@ class Guard:
 
     # -- the admin ------------------------------------------------------------------------
 
-    def _mac(self, name: str) -> str:
+    def _mac(self, name: str, issued: str) -> str:
         assert self.admin_token is not None
         key = hashlib.sha256(_SESSION_CONTEXT + self.admin_token.encode("utf-8")).digest()
-        return hmac.new(key, name.encode("utf-8"), hashlib.sha256).hexdigest()
+        message = f"{name}\x00{issued}".encode()
+        return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+    def session_value(self, name: str, issued_at: float) -> str:
+        """The session cookie's value for ``name`` logged in at ``issued_at`` (Unix time)."""
+        issued = str(int(issued_at))
+        return f"{name}:{issued}:{self._mac(name, issued)}"
 
     def token_matches(self, candidate: str) -> bool:
         """Whether ``candidate`` is the admin token (constant time; False if none is set)."""
         if self.admin_token is None:
             return False
         return hmac.compare_digest(candidate.encode("utf-8"), self.admin_token.encode("utf-8"))
+
+    def _session_actor(self, cookie: str) -> str | None:
+        name, _, rest = cookie.partition(":")
+        issued, _, mac = rest.partition(":")
+        if not check_operator_name(name) or not _STAMP.fullmatch(issued):
+            return None
+        # Bytes, not str: compare_digest refuses non-ASCII str (a forged cookie may hold any
+        # byte), which would make a refusal a server error.
+        if not hmac.compare_digest(mac.encode("utf-8"), self._mac(name, issued).encode()):
+            return None
+        age = time.time() - int(issued)
+        if not -_CLOCK_SKEW <= age <= self.session_max_age:
+            return None
+        return f"dashboard:{name}"
 
     def actor(self, request: Request) -> str | None:
         """The actor this request may act as, or None: it may only look."""
@@ -97,20 +132,14 @@ class Guard:
         scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() == "bearer" and self.token_matches(credentials.strip()):
             return "dashboard:token"
-        name, _, mac = request.cookies.get(SESSION_COOKIE, "").rpartition(":")
-        # Bytes, not str: compare_digest refuses non-ASCII str (a forged cookie may hold any
-        # byte), which would make a refusal a server error.
-        if check_operator_name(name) and hmac.compare_digest(
-            mac.encode("utf-8"), self._mac(name).encode("utf-8")
-        ):
-            return f"dashboard:{name}"
-        return None
+        return self._session_actor(request.cookies.get(SESSION_COOKIE, ""))
 
     def log_in(self, request: Request, response: Response, name: str) -> None:
         """Set the session cookie for ``name`` (the token was checked by the caller)."""
         response.set_cookie(
-            SESSION_COOKIE, f"{name}:{self._mac(name)}", path=_cookie_path(request),
-            httponly=True, samesite="strict", secure=request.url.scheme == "https",
+            SESSION_COOKIE, self.session_value(name, time.time()),
+            max_age=self.session_max_age, path=_cookie_path(request), httponly=True,
+            samesite="strict", secure=request.url.scheme == "https",
         )
 
     @staticmethod

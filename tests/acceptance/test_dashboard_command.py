@@ -233,3 +233,26 @@ def test_sigterm_or_sigint_stops_the_dashboard_command_with_exit_code_0(
     assert not dashboard.killed, dashboard.describe()
     assert code == 0, dashboard.describe()
     assert "Traceback" not in dashboard.log()
+
+
+def test_session_max_age_sets_how_long_a_login_lasts_and_a_bad_one_is_a_usage_error(
+    dashboards: Callable[..., DashboardProcess], seeded: Database
+) -> None:
+    dashboard = dashboards(seeded.url, "--admin-token", TOKEN, "--session-max-age", "600")
+    with client_of(dashboard) as operator:
+        login = operator.post("/login", data={
+            "csrf_token": csrf_of(operator, "/login"), "token": TOKEN, "name": OPERATOR,
+        })
+        assert login.status_code == 303, login.text
+        (cookie,) = [c for c in login.headers.get_list("set-cookie")
+                     if c.startswith("pgtask_session=")]
+        assert "Max-Age=600" in cookie
+
+    refused = subprocess.run(
+        [str(PGTASK), "dashboard", "--database-url", seeded.url, "--port", str(free_port()),
+         "--session-max-age", "30"],
+        env=cli_env(None), capture_output=True, text=True, timeout=STARTUP_TIMEOUT, check=False,
+    )
+    assert refused.returncode == 2, refused.stderr
+    assert "session_max_age must be 60 s to 400 days, got 30" in refused.stderr
+    assert "Traceback" not in refused.stderr

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -176,9 +177,11 @@ def wrong_bearer_token(apps: Apps) -> Caller:
 
 
 def forged_session_cookie(apps: Apps) -> Caller:
-    """The cookie's format (``name:<64 hex digits>``) with an unkeyed hash of the name."""
+    """The cookie's format (``name:<login time>:<64 hex digits>``) with an unkeyed hash."""
     client = apps(admin_token=TOKEN)
-    client.cookies.set(SESSION, "carol:" + hashlib.sha256(b"carol").hexdigest())
+    issued = str(int(time.time()))
+    digest = hashlib.sha256(f"carol\x00{issued}".encode()).hexdigest()
+    client.cookies.set(SESSION, f"carol:{issued}:{digest}")
     return Caller(client)
 
 
