@@ -17,6 +17,7 @@ from sqlalchemy_pgtask.admin import pause_queue, resume_queue
 from sqlalchemy_pgtask.admin import retry as retry_task
 from sqlalchemy_pgtask.client import cancel as cancel_task
 from sqlalchemy_pgtask.dashboard._security import CSRF_FIELD, check_operator_name
+from sqlalchemy_pgtask.dashboard._throttle import Throttled
 from sqlalchemy_pgtask.status import parse_task_id
 from sqlalchemy_pgtask.validation import check_queue_name
 
@@ -115,7 +116,16 @@ async def login(dashboard: Dashboard, request: Request) -> Response:
         return form
     token, name = form.get("token"), form.get("name")
     name = name.strip() if isinstance(name, str) and name.strip() else "admin"
-    if not isinstance(token, str) or not dashboard.guard.token_matches(token):
+    try:
+        right = dashboard.guard.guess(request, token)
+    except Throttled as exc:
+        page = dashboard.error(
+            request, 429,
+            f"Too many wrong tokens from your address: try again in {exc.retry_after} s.",
+        )
+        page.headers["retry-after"] = str(exc.retry_after)
+        return page
+    if not right:
         return dashboard.render(request, "login.html", {"failed": True}, status_code=403)
     if check_operator_name(name) is None:
         return dashboard.error(

@@ -11,7 +11,9 @@ Three ways to be an admin, checked in this order:
   holding it, expires `Guard.session_max_age` seconds after the login, and changing the token
   logs everyone out.
 
-Tokens and MACs are compared with `hmac.compare_digest` (constant time). Every POST, login
+Tokens and MACs are compared with `hmac.compare_digest` (constant time), and wrong tokens
+are counted per client address: too many, and the address's next ones are not even checked
+(`_throttle`). Every POST, login
 included, must carry the CSRF token: a random value in an HttpOnly, SameSite=Strict cookie
 that the page repeats in a hidden form field (double submit). A cross-site form can send the
 cookie (SameSite aside) but cannot read it, so it cannot fill in the field.
@@ -19,17 +21,20 @@ cookie (SameSite aside) but cannot read it, so it cannot fill in the field.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import re
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from starlette.requests import Request
 from starlette.responses import Response
+
+from sqlalchemy_pgtask.dashboard._throttle import Throttle, Throttled
 
 __all__ = [
     "CSRF_COOKIE",
@@ -82,6 +87,8 @@ class Guard:
     actor_from_request: ActorHook | None
     #: Seconds a login's session cookie is accepted for (and kept by the browser).
     session_max_age: int = SESSION_MAX_AGE
+    #: Wrong tokens per client address (`sqlalchemy_pgtask.dashboard._throttle`).
+    throttle: Throttle = field(default_factory=Throttle, compare=False)
 
     @property
     def actions_possible(self) -> bool:
@@ -107,6 +114,18 @@ class Guard:
             return False
         return hmac.compare_digest(candidate.encode("utf-8"), self.admin_token.encode("utf-8"))
 
+    def guess(self, request: Request, candidate: object) -> bool:
+        """Whether the token ``request`` offers is the admin token; a wrong one counts against
+        the request's address. Raises `Throttled`, checking nothing, when the address has
+        failed too often."""
+        address = request.client.host if request.client is not None else ""
+        self.throttle.check(address)
+        if isinstance(candidate, str) and self.token_matches(candidate):
+            self.throttle.succeeded(address)
+            return True
+        self.throttle.failed(address)
+        return False
+
     def _session_actor(self, cookie: str) -> str | None:
         name, _, rest = cookie.partition(":")
         issued, _, mac = rest.partition(":")
@@ -130,8 +149,10 @@ class Guard:
         if self.admin_token is None:
             return None
         scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and self.token_matches(credentials.strip()):
-            return "dashboard:token"
+        if scheme.lower() == "bearer":
+            with contextlib.suppress(Throttled):  # throttled: the token counts for nothing
+                if self.guess(request, credentials.strip()):
+                    return "dashboard:token"
         return self._session_actor(request.cookies.get(SESSION_COOKIE, ""))
 
     def log_in(self, request: Request, response: Response, name: str) -> None:
