@@ -148,6 +148,26 @@ def test_wrong_bearer_tokens_count_and_then_the_right_one_acts_for_nothing(app: 
     assert paused()
 
 
+def test_a_request_counts_once_however_often_it_is_asked_who_it_is(app: App) -> None:
+    """A refused action asks for the actor, then renders its page, which asks again."""
+    with app.engine.begin() as connection:
+        configure_queue(connection, "emails", max_outstanding_tasks=10, actor="seed")
+    client = app.client()
+    for _ in range(LIMIT - 1):
+        answer = client.post(
+            "/queues/emails/pause", data={"csrf_token": csrf_of(client)},
+            headers={"authorization": f"Bearer {WRONG}"},
+        )
+        assert answer.status_code == 403
+        assert "This action needs the admin token" in answer.text
+
+    # Nine requests with a wrong token, each asked twice: nine guesses, not throttled.
+    assert client.post(
+        "/queues/emails/pause", data={"csrf_token": csrf_of(client)},
+        headers={"authorization": f"Bearer {TOKEN}"},
+    ).status_code == 303
+
+
 def test_the_throttle_forgets_the_least_recently_failed_address_beyond_its_bound() -> None:
     clock = Clock()
     throttle = Throttle(clock)
