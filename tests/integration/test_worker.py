@@ -807,7 +807,8 @@ async def test_a_worker_registers_its_capabilities_heartbeats_and_retires_on_shu
     registry = Registry()
     for name, version, queue in (("a", 1, "default"), ("a", 2, "default"), ("b", 1, "other")):
         registry.task(name, version=version, queue=queue)(lambda ctx, payload: None)
-    ttl = 1.0
+    # A TTL of twelve heartbeats: a loaded CI host once delayed one past a TTL of five (1 s).
+    ttl = 2.5
     options = WorkerOptions(
         lease_duration=LEASE, heartbeat_interval=0.2, worker_ttl=ttl, concurrency=4
     )
