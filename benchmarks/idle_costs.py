@@ -21,11 +21,19 @@ idle", default 0.020 like ``latency``):
   schema.
 
 It prints each one's median and 90th percentile in milliseconds.
+
+Then it times the bare claim after a notification, as an idle worker claims: a producer process
+inserts a row and notifies every ``--gap`` seconds; the consumer waits on its ``LISTEN``
+connection and claims the row, alternately on that connection (whose backend has just woken
+to deliver the notification) and on a second one (as the worker does, whose backend slept).
+Each figure runs from the producer's ``INSERT`` to the claim's rows, on the monotonic clock
+both processes share.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 import sys
 import time
@@ -69,6 +77,41 @@ def timed(
         if cursor.description is not None:
             cursor.fetchall()
         millis.append((time.perf_counter() - start) * 1000)
+    return millis
+
+
+def _produce(conninfo: str, rounds: int, gap: float) -> None:
+    with psycopg.connect(conninfo, autocommit=True) as producer:
+        for _ in range(rounds):
+            time.sleep(gap)
+            with producer.transaction():
+                start = time.monotonic()
+                producer.execute("INSERT INTO bare_queue (payload) VALUES ('{}')")
+                producer.execute("SELECT pg_notify('idle_costs', %s)", (repr(start),))
+
+
+def notified_claims(conninfo: str, rounds: int, gap: float) -> dict[str, list[float]]:
+    """Milliseconds from a producer's insert to the bare claim's rows, by the connection that
+    claims (the ``LISTEN`` one, or another), ``rounds`` claims each."""
+    millis: dict[str, list[float]] = {"listening": [], "other": []}
+    with psycopg.connect(conninfo, autocommit=True) as listener, psycopg.connect(
+        conninfo, autocommit=True
+    ) as other:
+        listener.execute("LISTEN idle_costs")
+        # spawn: a forked child would close these connections' sockets as it exits.
+        producer = multiprocessing.get_context("spawn").Process(
+            target=_produce, args=(conninfo, 2 * rounds, gap)
+        )
+        producer.start()
+        try:
+            for index in range(2 * rounds):
+                # notifies() holds the connection until it returns: one notification at a time.
+                payloads = [note.payload for note in listener.notifies(stop_after=1)]
+                claimer, label = (listener, "listening") if index % 2 == 0 else (other, "other")
+                claimer.execute(_BARE_CLAIM).fetchall()
+                millis[label].append((time.monotonic() - float(payloads[0])) * 1000)
+        finally:
+            producer.join()
     return millis
 
 
@@ -122,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
             idle = timed(conn, args.rounds, args.gap, before, sql, values)
             print(f"{label:28} {statistics.median(hot):8.3f} {_p90(hot):7.3f}"
                   f" {statistics.median(idle):15.3f} {_p90(idle):7.3f}")
+        print(f"\ninsert + notify -> bare claim, {args.rounds} rounds each, gap"
+              f" {args.gap * 1000:.0f} ms")
+        print(f"{'claimed on':28} {'p50':>8} {'p90':>7}")
+        for label, values in notified_claims(libpq_url(url), args.rounds, args.gap).items():
+            print(f"{label + ' connection':28} {statistics.median(values):8.3f}"
+                  f" {_p90(values):7.3f}")
     return 0
 
 

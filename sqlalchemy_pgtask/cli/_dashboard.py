@@ -57,7 +57,14 @@ def dashboard(args: argparse.Namespace) -> int:
                 raise UsageError(str(exc)) from exc
             mode = "actions need the admin token" if token else "read-only: no admin token"
             print(f"pgtask dashboard on http://{args.host}:{args.port}/ ({mode})", flush=True)
-            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+            # uvicorn trusts X-Forwarded-For from loopback peers unless told otherwise: behind a
+            # tunnel or a proxy that passes the client's header on, every wrong token could
+            # name a fresh address and never be throttled.
+            proxies = args.forwarded_allow_ips
+            uvicorn.run(
+                app, host=args.host, port=args.port, log_level=args.log_level,
+                proxy_headers=proxies is not None, forwarded_allow_ips=proxies,
+            )
     finally:
         engine.dispose()
     return EXIT_OK
@@ -127,6 +134,13 @@ def add_commands(commands: Any) -> None:
     command.add_argument(
         "--session-max-age", metavar="SECONDS", type=int_between(1, 2**31),
         help="how long a login lasts, 60 s to 400 days (default: 43200, 12 hours)",
+    )
+    command.add_argument(
+        "--forwarded-allow-ips", metavar="ADDRESSES",
+        help=(
+            "comma-separated addresses of the proxies whose X-Forwarded-For and "
+            "X-Forwarded-Proto headers are believed (default: none, the client is the peer)"
+        ),
     )
     command.add_argument(
         "--log-level", choices=("debug", "info", "warning", "error"), default="info",

@@ -62,11 +62,16 @@ def _instant(request: Request, name: str) -> datetime | None:
     return value if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)
 
 
+def _is_number(raw: str) -> bool:
+    # str.isdigit() also accepts digits int() refuses ("\u00b2", superscript two).
+    return raw.isascii() and raw.isdigit()
+
+
 def _limit(request: Request, default: int) -> int:
     raw = _param(request, "limit")
     if raw is None:
         return default
-    if not raw.isdigit() or not 1 <= int(raw) <= PAGE_SIZE_MAX:
+    if not _is_number(raw) or not 1 <= int(raw) <= PAGE_SIZE_MAX:
         raise InvalidOptionError("limit", f"must be 1 to {PAGE_SIZE_MAX}, got {raw[:20]!r}")
     return int(raw)
 
@@ -185,7 +190,7 @@ async def schedules(dashboard: Dashboard, request: Request) -> Response:
 async def audit(dashboard: Dashboard, request: Request) -> Response:
     limit = _limit(request, dashboard.page_size)
     before = _param(request, "before")
-    if before is not None and not before.isdigit():
+    if before is not None and not _is_number(before):
         raise InvalidOptionError("before", f"not an entry id: {before[:20]!r}")
     queue, task_id = _param(request, "queue"), _param(request, "task")
 

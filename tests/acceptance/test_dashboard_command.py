@@ -256,3 +256,41 @@ def test_session_max_age_sets_how_long_a_login_lasts_and_a_bad_one_is_a_usage_er
     assert refused.returncode == 2, refused.stderr
     assert "session_max_age must be 60 s to 400 days, got 30" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def wrong_logins(operator: httpx2.Client, count: int, forwarded_for: str | None) -> list[int]:
+    """The status of ``count`` logins with a wrong token, each naming ``forwarded_for`` (or,
+    None, its own address) in ``X-Forwarded-For``: 403 while counted, 429 once throttled."""
+    csrf = csrf_of(operator, "/login")
+    statuses = []
+    for index in range(count):
+        address = forwarded_for or f"203.0.113.{index + 1}"
+        response = operator.post(
+            "/login", data={"csrf_token": csrf, "token": "wrong-token-guess", "name": "eve"},
+            headers={"X-Forwarded-For": address},
+        )
+        statuses.append(response.status_code)
+    return statuses
+
+
+def test_a_client_cannot_pick_its_throttle_address_with_x_forwarded_for(
+    dashboards: Callable[..., DashboardProcess], seeded: Database
+) -> None:
+    # uvicorn's own default believes X-Forwarded-For from 127.0.0.1, the peer of every
+    # request through a tunnel: each guess naming a new address was never throttled.
+    dashboard = dashboards(seeded.url, "--admin-token", TOKEN)
+    with client_of(dashboard) as attacker:
+        assert wrong_logins(attacker, 11, forwarded_for=None) == [403] * 10 + [429]
+
+
+def test_forwarded_allow_ips_counts_each_client_behind_the_named_proxy_on_its_own(
+    dashboards: Callable[..., DashboardProcess], seeded: Database
+) -> None:
+    dashboard = dashboards(
+        seeded.url, "--admin-token", TOKEN, "--forwarded-allow-ips", "127.0.0.1"
+    )
+    with client_of(dashboard) as proxy:
+        assert wrong_logins(proxy, 12, forwarded_for=None) == [403] * 12
+        assert wrong_logins(proxy, 11, forwarded_for="198.51.100.7") == [403] * 10 + [429]
+        # Another client behind the same proxy is not throttled by that one.
+        assert wrong_logins(proxy, 1, forwarded_for="198.51.100.8") == [403]

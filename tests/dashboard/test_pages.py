@@ -179,6 +179,11 @@ def test_pages_walk_every_task_once_newest_first(
         "/tasks?queue=bad%20queue%20name%00",
         "/tasks/not-a-uuid",
         "/audit?before=x",
+        "/audit?before=99999999999999999999",
+        # Digits to str.isdigit() that int() refuses: these were a 500.
+        "/tasks?limit=%C2%B2",
+        "/audit?limit=%C2%B2",
+        "/audit?before=1%C2%B2",
     ],
 )
 def test_bad_input_is_a_400_page(
