@@ -4,19 +4,22 @@ A batch of `COPY_MIN_ROWS` or more validated rows without idempotency keys or de
 copied instead of inserted: no parameter arrays to build, the same transaction, the same
 insert triggers (capacity admission, the ready notification). Keys need ``ON CONFLICT`` and
 delays need the database's clock added to them, so those batches keep the statement; so does
-a driver other than psycopg. Rows without ``run_at`` get ``pgtask.now()``, as the statement's
-would: the column default (``statement_timestamp()``) when that is the same, else (a test
-moved the database clock) the value read just before the ``COPY``.
+a driver other than psycopg, and a connection whose client encoding is not UTF-8. Rows
+without ``run_at`` get ``pgtask.now()``, as the statement's would: the column default
+(``statement_timestamp()``) when that is the same, else (a test moved the database clock)
+the value read just before the ``COPY``. A lost connection is invalidated as SQLAlchemy
+invalidates it for a statement (without the engine's ``handle_error`` event, which only its
+statements fire, as they alone fire the cursor events).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import psycopg
 from sqlalchemy import Connection
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, StatementError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 if TYPE_CHECKING:
@@ -41,9 +44,29 @@ _NOW: Final = "SELECT pgtask.now(), pgtask.now() = statement_timestamp()"
 
 
 def copyable(rows: Sequence[TaskRow]) -> bool:
-    """Whether ``rows`` are sent with ``COPY`` (by a psycopg connection): enough of them, and
-    none with an idempotency key or a delay."""
+    """Whether ``rows`` are sent with ``COPY`` (by a psycopg connection in UTF-8): enough of
+    them, and none with an idempotency key or a delay."""
     return len(rows) >= COPY_MIN_ROWS and not any(row.delay or row.key for row in rows)
+
+
+def _utf8(driver: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
+    # Rows are encoded as they are written, and an error then cancels the COPY, which aborts
+    # the caller's transaction: in another client encoding a character it lacks would, where
+    # the statement fails before anything is sent and leaves the transaction usable.
+    return driver.info.encoding == "utf-8"
+
+
+def _error(
+    connection: Connection, dbapi_connection: Any, command: str, exc: psycopg.Error
+) -> tuple[StatementError, bool]:
+    """``exc`` as SQLAlchemy raises a statement's, and whether it lost the connection (marked
+    on the error, as SQLAlchemy marks it)."""
+    lost = connection.dialect.is_disconnect(cast(Any, exc), dbapi_connection, None)
+    error = DBAPIError.instance(
+        command, None, exc, psycopg.Error, connection_invalidated=lost,
+        dialect=connection.dialect,
+    )
+    return error, lost
 
 
 def _plan(rows: Sequence[TaskRow], now: Any, real: bool) -> tuple[str, Iterable[tuple[Any, ...]]]:
@@ -59,7 +82,7 @@ def copy_rows_sync(connection: Connection, rows: Sequence[TaskRow]) -> bool:
     """``COPY`` ``rows`` in ``connection``'s transaction (begun if it was not); False, having
     sent nothing, when the driver is not psycopg. Errors are raised as SQLAlchemy would."""
     driver = connection.connection.driver_connection
-    if not isinstance(driver, psycopg.Connection):
+    if not isinstance(driver, psycopg.Connection) or not _utf8(driver):
         return False
     if not connection.in_transaction():
         connection.begin()  # what a statement's autobegin would have done
@@ -72,14 +95,20 @@ def copy_rows_sync(connection: Connection, rows: Sequence[TaskRow]) -> bool:
                 for row in copied:
                     copy.write_row(row)
     except psycopg.Error as exc:
-        raise DBAPIError.instance(command, None, exc, psycopg.Error) from exc
+        error, lost = _error(connection, connection.connection.dbapi_connection, command, exc)
+        if lost:
+            # As SQLAlchemy does for a statement: the caller's rollback then succeeds and the
+            # pool replaces the connection.
+            connection.invalidate(error)
+        raise error from exc
     return True
 
 
 async def copy_rows_async(connection: AsyncConnection, rows: Sequence[TaskRow]) -> bool:
     """`copy_rows_sync` on an `AsyncConnection`."""
-    driver = (await connection.get_raw_connection()).driver_connection
-    if not isinstance(driver, psycopg.AsyncConnection):
+    raw = await connection.get_raw_connection()
+    driver = raw.driver_connection
+    if not isinstance(driver, psycopg.AsyncConnection) or not _utf8(driver):
         return False
     if not connection.in_transaction():
         await connection.begin()
@@ -92,5 +121,8 @@ async def copy_rows_async(connection: AsyncConnection, rows: Sequence[TaskRow]) 
                 for row in copied:
                     await copy.write_row(row)
     except psycopg.Error as exc:
-        raise DBAPIError.instance(command, None, exc, psycopg.Error) from exc
+        error, lost = _error(connection.sync_connection, raw.dbapi_connection, command, exc)  # type: ignore[arg-type]
+        if lost:
+            await connection.invalidate(error)
+        raise error from exc
     return True

@@ -195,22 +195,25 @@ def check_delay(field: str, value: object) -> float:
 
 
 def check_run_at(field: str, value: object) -> datetime:
-    """A timezone-aware `datetime` whose UTC value Python can read back (years 1 to 9999).
+    """A timezone-aware `datetime` whose UTC value Python can read back (years 1 to 9999), as
+    that UTC value.
 
     PostgreSQL stores instants from 4713 BC, so ``datetime(1, 1, 1, tzinfo=+05:00)`` (year 0
     in UTC) would be written, and every later read of the task would fail in the driver.
+    In UTC because two instants of one zone's repeated hour (``fold``) compare equal in
+    Python, and PostgreSQL's text input refuses offsets Python allows (16 hours or more, or
+    with fractions of a second) where a statement or ``COPY`` sends the value as text.
     """
     if not isinstance(value, datetime):
         raise InvalidOptionError(field, f"must be a datetime, got {type(value).__name__}")
     if value.tzinfo is None or value.utcoffset() is None:
         raise InvalidOptionError(field, "must be timezone-aware (a naive datetime is ambiguous)")
     try:
-        value.astimezone(timezone.utc)
+        return value.astimezone(timezone.utc)
     except OverflowError as exc:
         raise InvalidOptionError(
             field, f"{value.isoformat()} is outside years 1 to 9999 in UTC"
         ) from exc
-    return value
 
 
 def check_timeout(field: str, value: object) -> float | None:

@@ -13,7 +13,8 @@ from datetime import datetime, timedelta, timezone
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, func, select, text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
@@ -209,3 +210,62 @@ def test_copied_tasks_get_database_time_as_run_at(pgtask_engine: Engine) -> None
     # The COPY's statement time, the same for every row, as an INSERT's would be.
     assert earliest == latest
     assert began <= earliest <= after
+
+
+def test_a_connection_lost_before_the_copy_is_invalidated_as_for_a_statement(
+    pgtask_engine: Engine,
+) -> None:
+    with pgtask_engine.connect() as victim:
+        pid = victim.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        victim.commit()
+        with pgtask_engine.connect() as killer:
+            killer.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        with pytest.raises(DBAPIError) as caught:
+            enqueue_many(victim, requests(COPY_MIN_ROWS))
+        assert caught.value.connection_invalidated
+        assert victim.invalidated
+        victim.rollback()  # failed on a lost connection that was not invalidated
+    with Session(pgtask_engine) as session:  # the pool replaced it
+        enqueue_many(session, requests(COPY_MIN_ROWS))
+        session.commit()
+    assert count_tasks(pgtask_engine) == COPY_MIN_ROWS
+
+
+async def test_the_async_twin_invalidates_a_lost_connection_too(
+    pgtask_async_engine: AsyncEngine, pgtask_engine: Engine
+) -> None:
+    async with pgtask_async_engine.connect() as victim:
+        pid = (await victim.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+        await victim.commit()
+        with pgtask_engine.connect() as killer:
+            killer.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        with pytest.raises(DBAPIError) as caught:
+            await enqueue_many_async(victim, requests(COPY_MIN_ROWS))
+        assert caught.value.connection_invalidated
+        assert victim.invalidated
+        await victim.rollback()
+
+
+def test_a_connection_in_another_client_encoding_keeps_the_statement(
+    pgtask_engine: Engine,
+) -> None:
+    # COPY encodes rows as it sends them, and an encoding error there aborts the caller's
+    # transaction; the statement fails before sending anything.
+    sent = statements_of(pgtask_engine)
+    with pgtask_engine.connect() as connection:
+        connection.exec_driver_sql("SET client_encoding TO 'LATIN1'")
+        with pytest.raises(UnicodeEncodeError):
+            enqueue_many(connection, requests(COPY_MIN_ROWS))  # AWKWARD holds 日本
+        assert connection.execute(text("SELECT 1")).scalar_one() == 1  # still usable
+        sent.clear()
+        enqueue_many(connection, [
+            EnqueueRequest(name="bulk", payload={"i": i, "text": "é"})
+            for i in range(COPY_MIN_ROWS)
+        ])
+        assert len(sent) == 1  # one statement, not COPY
+        connection.exec_driver_sql("RESET client_encoding")  # before the pool hands it on
+        connection.commit()
+    with Session(pgtask_engine) as session:
+        payloads = session.scalars(select(Task.payload)).all()
+    assert sorted(p["i"] for p in payloads) == list(range(COPY_MIN_ROWS))
+    assert {p["text"] for p in payloads} == {"é"}

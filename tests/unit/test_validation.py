@@ -298,8 +298,10 @@ def test_run_at_must_be_readable_back_in_utc(run_at: datetime) -> None:
 def test_run_at_at_the_edges_of_the_utc_range_is_accepted() -> None:
     earliest = datetime(1, 1, 1, 5, tzinfo=timezone(timedelta(hours=5)))
     latest = datetime(9999, 12, 31, 18, 59, tzinfo=timezone(timedelta(hours=-5)))
-    assert check_run_at("run_at", earliest) is earliest
-    assert check_run_at("run_at", latest) is latest
+    assert check_run_at("run_at", earliest) == datetime(1, 1, 1, tzinfo=timezone.utc)
+    assert check_run_at("run_at", latest) == datetime(9999, 12, 31, 23, 59, tzinfo=timezone.utc)
+    # In UTC: the instant, whatever offset or fold named it.
+    assert check_run_at("run_at", latest).utcoffset() == timedelta(0)
     with pytest.raises(InvalidOptionError, match="timezone-aware"):
         check_run_at("run_at", datetime(2030, 1, 1))
 
