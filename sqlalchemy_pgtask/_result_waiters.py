@@ -4,14 +4,16 @@ A waiter per connection would take one of the engine's pooled connections for as
 waits: a web application whose requests wait for tasks would run out of its pool (5 + 10 by
 default) at the sixteenth concurrent waiter. Here the waiters of one engine (per event loop,
 for an `AsyncEngine`, whose connections belong to one loop) share one listening connection,
-opened by the first waiter and closed when the last one leaves. A waiter is registered before
+opened by the first waiter and closed when the last one leaves (a synchronous engine's within
+`_SYNC_READ`, unless a waiter comes first and keeps it). A waiter is registered before
 the listener is known to be listening and reads the task only then, so a task that finishes
 after the read always wakes it.
 
 Notifications stay hints, as before: a waiter re-reads at least every poll interval. When the
 shared connection breaks, the listener reconnects (waiters go on polling meanwhile) and then
 wakes every waiter once, since what finished while it was deaf notified nobody. Only a first
-connection that fails is an error, raised in every waiter that waits for it.
+connection that fails is an error, raised in every waiter that waits for it; a waiter whose
+deadline comes first raises its own timeout instead.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Final
 
 from sqlalchemy import Engine
@@ -148,10 +150,12 @@ _ASYNC: Final[
 
 @contextlib.asynccontextmanager
 async def subscribed(
-    engine: AsyncEngine, task_id: str, *, timeout: float
+    engine: AsyncEngine, task_id: str, *, timeout: float, deadline: float | None,
+    late: Callable[[], BaseException],
 ) -> AsyncIterator[asyncio.Event]:
     """An event set when ``task_id`` may have finished, once ``engine``'s shared listener
-    listens (connecting gives up after ``timeout`` seconds; its error is raised here)."""
+    listens (connecting gives up after ``timeout`` seconds; its error is raised here). If it
+    does not listen by ``deadline`` (`time.monotonic`), ``late()`` is raised instead."""
     registry = _ASYNC.setdefault(asyncio.get_running_loop(), {})
     listener = registry.get(engine)
     if listener is None:
@@ -159,7 +163,11 @@ async def subscribed(
     event = asyncio.Event()
     listener.waiters.add(task_id, event)
     try:
-        await listener.started.wait()
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            await asyncio.wait_for(listener.started.wait(), remaining)
+        except asyncio.TimeoutError:
+            raise late() from None
         if listener.failure is not None:
             raise _own(listener.failure)
         yield event
@@ -184,20 +192,29 @@ class _SyncListener:
         self.waiters = _Waiters()
         self.started = threading.Event()
         self.failure: BaseException | None = None
-        #: Set (under `_SYNC_LOCK`) when the last waiter left: the thread closes the connection.
+        #: Set (under `_SYNC_LOCK`) when the last waiter left, cleared by a waiter that comes
+        #: before the thread saw it: the listener and its connection serve that one too.
         self.stopped = False
         threading.Thread(target=self._run, name="pgtask-result-listener", daemon=True).start()
 
+    def _retiring(self) -> bool:
+        """Whether the last waiter left; if so the listener is no longer registered, so the
+        next waiter starts another (decided under the lock waiters register under)."""
+        with _SYNC_LOCK:
+            if self.stopped and _SYNC.get(self._engine) is self:
+                del _SYNC[self._engine]
+            return self.stopped
+
     def _run(self) -> None:
         backoff = Backoff()
-        while not self.stopped:
+        while not self._retiring():
             try:
                 with listening_connection_sync(self._engine, RESULT_CHANNEL) as listener:
                     backoff.reset()
                     self.started.set()
                     with _SYNC_LOCK:
                         self.waiters.wake_all()
-                    while not self.stopped:
+                    while not self._retiring():
                         for payload in listener.payloads(timeout=_SYNC_READ):
                             with _SYNC_LOCK:
                                 self.waiters.deliver(payload)
@@ -233,16 +250,21 @@ if hasattr(os, "register_at_fork"):  # not on Windows
 
 
 @contextlib.contextmanager
-def subscribed_sync(engine: Engine, task_id: str) -> Iterator[threading.Event]:
+def subscribed_sync(
+    engine: Engine, task_id: str, *, deadline: float | None, late: Callable[[], BaseException]
+) -> Iterator[threading.Event]:
     """`subscribed` for a synchronous engine."""
     event = threading.Event()
     with _SYNC_LOCK:
         listener = _SYNC.get(engine)
         if listener is None:
             listener = _SYNC[engine] = _SyncListener(engine)
+        listener.stopped = False
         listener.waiters.add(task_id, event)
     try:
-        listener.started.wait()
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not listener.started.wait(remaining):
+            raise late()
         if listener.failure is not None:
             raise _own(listener.failure)
         yield event
@@ -250,6 +272,6 @@ def subscribed_sync(engine: Engine, task_id: str) -> Iterator[threading.Event]:
         with _SYNC_LOCK:
             listener.waiters.remove(task_id, event)
             if not listener.waiters.count:
+                # The thread closes the connection within `_SYNC_READ`, unless a waiter
+                # comes first.
                 listener.stopped = True
-                if _SYNC.get(engine) is listener:
-                    del _SYNC[engine]

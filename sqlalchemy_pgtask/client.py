@@ -203,7 +203,13 @@ def wait_for_result(
     timeout = check_timeout("timeout", timeout)
     poll_interval = check_poll_interval("poll_interval", poll_interval)
     deadline = None if timeout is None else time.monotonic() + timeout
-    with translated_errors(), subscribed_sync(engine, str(wanted)) as finished:
+
+    def late() -> TimeoutError:
+        return TimeoutError(f"task {wanted} did not finish within {timeout} s")
+
+    with translated_errors(), subscribed_sync(
+        engine, str(wanted), deadline=deadline, late=late
+    ) as finished:
         while True:
             finished.clear()  # before the read: a notification during it is not lost
             with Session(engine, expire_on_commit=False) as session:
@@ -215,7 +221,7 @@ def wait_for_result(
             if deadline is not None:
                 wait = min(wait, deadline - time.monotonic())
                 if wait <= 0:
-                    raise TimeoutError(f"task {wanted} did not finish within {timeout} s")
+                    raise late()
             finished.wait(wait)
 
 
@@ -233,8 +239,14 @@ async def wait_for_result_async(
     poll_interval = check_poll_interval("poll_interval", poll_interval)
     deadline = None if timeout is None else time.monotonic() + timeout
     connecting = max(10.0, poll_interval)
+
+    def late() -> TimeoutError:
+        return TimeoutError(f"task {wanted} did not finish within {timeout} s")
+
     with translated_errors():
-        async with subscribed(engine, str(wanted), timeout=connecting) as finished:
+        async with subscribed(
+            engine, str(wanted), timeout=connecting, deadline=deadline, late=late
+        ) as finished:
             while True:
                 finished.clear()  # before the read: a notification during it is not lost
                 async with AsyncSession(engine, expire_on_commit=False) as session:
@@ -246,5 +258,5 @@ async def wait_for_result_async(
                 if deadline is not None:
                     wait = min(wait, deadline - time.monotonic())
                     if wait <= 0:
-                        raise TimeoutError(f"task {wanted} did not finish within {timeout} s")
+                        raise late()
                 await first(finished.wait(), timeout=wait)

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 import traceback
@@ -364,3 +365,89 @@ def exit_code_within(pid: int, seconds: float) -> int:
             os.waitpid(pid, 0)
             raise AssertionError(f"the child did not end within {seconds:.0f} s")
         time.sleep(0.05)  # polling a child's exit status, not synchronisation
+
+
+def listener_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name == "pgtask-result-listener")
+
+
+def test_sync_waiters_one_after_another_reuse_the_listener_its_last_waiter_left(
+    pgtask_database_url: str,
+) -> None:
+    # The listener's thread notices its last waiter left only between two reads: the next
+    # waiter used to start another listener (and connection) beside it, every time, until
+    # the pool ran out (then each waited for the previous listener to let its connection go).
+    ids = add_tasks(pgtask_database_url, 10)
+    finish(pgtask_database_url, ids)
+    engine = create_engine(pgtask_database_url)
+    try:
+        alive, checked_out = [], []
+        for task_id in ids:
+            assert wait_for_result(engine, task_id, timeout=PATIENCE).state == "succeeded"
+            alive.append(listener_threads())
+            checked_out.append(engine.pool.checkedout())  # type: ignore[attr-defined]
+        assert max(alive) == 1
+        assert max(checked_out) == 1  # the listener's, left for the next waiter
+        # Without waiters, the listener closes its connection.
+        wait_until(lambda: listener_threads() == 0, PATIENCE, message="the listener to close")
+        assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def unanswering_server() -> Iterator[str]:
+    """The address of a server that accepts connections and never answers."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(64)  # the kernel completes the handshakes; nobody reads
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+    # Closing it resets the connections left waiting: their listener fails and goes.
+
+
+def test_a_sync_waiter_keeps_its_timeout_while_the_listener_cannot_connect(
+    unanswering_server: str,
+) -> None:
+    engine = create_engine(f"postgresql+psycopg://nobody@{unanswering_server}/nothing")
+    outcomes: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            wait_for_result(engine, uuid.uuid4(), timeout=0.2)
+        except BaseException as exc:  # whatever it raised is the finding
+            outcomes.append(exc)
+
+    try:
+        # The second waiter joins the first's listener, still connecting: it used to block
+        # with it, for as long as the connection did.
+        waiters = [threading.Thread(target=wait) for _ in range(2)]
+        for waiter in waiters:
+            waiter.start()
+        for waiter in waiters:
+            waiter.join(PATIENCE)
+        assert not any(waiter.is_alive() for waiter in waiters), "a waiter ignored its timeout"
+        assert [type(exc) for exc in outcomes] == [TimeoutError, TimeoutError]
+        assert all("did not finish within 0.2 s" in str(exc) for exc in outcomes)
+    finally:
+        engine.dispose()
+
+
+async def test_an_async_waiter_keeps_its_own_timeout_while_the_listener_connects(
+    unanswering_server: str,
+) -> None:
+    engine = create_async_engine(f"postgresql+psycopg://nobody@{unanswering_server}/nothing")
+    try:
+        # The listener's connection is bounded by its first waiter's poll interval (30 s);
+        # both waiters used to wait that long, and fail with its message.
+        first = asyncio.create_task(
+            wait_for_result_async(engine, uuid.uuid4(), timeout=0.2, poll_interval=30)
+        )
+        second = asyncio.create_task(wait_for_result_async(engine, uuid.uuid4(), timeout=0.3))
+        done = await asyncio.wait_for(
+            asyncio.gather(first, second, return_exceptions=True), PATIENCE
+        )
+        assert [type(d) for d in done] == [TimeoutError, TimeoutError]
+        assert "did not finish within 0.2 s" in str(done[0])
+        assert "did not finish within 0.3 s" in str(done[1])
+    finally:
+        await engine.dispose()
