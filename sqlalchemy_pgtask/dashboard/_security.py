@@ -7,16 +7,20 @@ Three ways to be an admin, checked in this order:
   when the dashboard is mounted inside it);
 * an ``Authorization: Bearer <token>`` header carrying the admin token;
 * the session cookie the login form sets: the operator's name and the time of the login,
-  with an HMAC of both keyed by the token, so the cookie proves the token was known without
-  holding it, expires `Guard.session_max_age` seconds after the login, and changing the token
-  logs everyone out.
+  with an HMAC of both and of the browser's CSRF token keyed by the token, so the cookie
+  proves the token was known without holding it, expires `Guard.session_max_age` seconds
+  after the login, changing the token logs everyone out, and the session counts only beside
+  the CSRF cookie it was issued with.
 
 Tokens and MACs are compared with `hmac.compare_digest` (constant time), and wrong tokens
 are counted per client address: too many, and the address's next ones are not even checked
 (`_throttle`). Every POST, login
 included, must carry the CSRF token: a random value in an HttpOnly, SameSite=Strict cookie
 that the page repeats in a hidden form field (double submit). A cross-site form can send the
-cookie (SameSite aside) but cannot read it, so it cannot fill in the field.
+cookie (SameSite aside) but cannot read it, so it cannot fill in the field. Whoever can plant
+a cookie on the dashboard's host (a sibling subdomain, a man in the middle of plain HTTP)
+could choose both; but a session is bound to the CSRF cookie of its login, so a planted one
+leaves the operator logged out instead of acting for them.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ ActorHook = Callable[[Request], "str | None"]
 
 #: An operator's name at login: recorded as ``dashboard:<name>``.
 _NAME: Final = re.compile(r"[A-Za-z0-9._@+-]{1,64}")
-_SESSION_CONTEXT: Final = b"sqlalchemy-pgtask dashboard session v2\x00"
+_SESSION_CONTEXT: Final = b"sqlalchemy-pgtask dashboard session v3\x00"
 #: How long a login lasts unless ``create_app`` is told otherwise: a working day; and what it
 #: accepts (browsers keep a cookie 400 days at most).
 SESSION_MAX_AGE: Final = 12 * 3600
@@ -97,16 +101,17 @@ class Guard:
 
     # -- the admin ------------------------------------------------------------------------
 
-    def _mac(self, name: str, issued: str) -> str:
+    def _mac(self, name: str, issued: str, csrf: str) -> str:
         assert self.admin_token is not None
         key = hashlib.sha256(_SESSION_CONTEXT + self.admin_token.encode("utf-8")).digest()
-        message = f"{name}\x00{issued}".encode()
+        message = f"{name}\x00{issued}\x00{csrf}".encode("utf-8")
         return hmac.new(key, message, hashlib.sha256).hexdigest()
 
-    def session_value(self, name: str, issued_at: float) -> str:
-        """The session cookie's value for ``name`` logged in at ``issued_at`` (Unix time)."""
+    def session_value(self, name: str, issued_at: float, csrf: str) -> str:
+        """The session cookie's value for ``name`` logged in at ``issued_at`` (Unix time) in
+        a browser whose CSRF cookie is ``csrf``."""
         issued = str(int(issued_at))
-        return f"{name}:{issued}:{self._mac(name, issued)}"
+        return f"{name}:{issued}:{self._mac(name, issued, csrf)}"
 
     def token_matches(self, candidate: str) -> bool:
         """Whether ``candidate`` is the admin token (constant time; False if none is set)."""
@@ -135,14 +140,15 @@ class Guard:
         guessed[candidate] = right
         return right
 
-    def _session_actor(self, cookie: str) -> str | None:
+    def _session_actor(self, cookie: str, csrf: str) -> str | None:
         name, _, rest = cookie.partition(":")
         issued, _, mac = rest.partition(":")
-        if not check_operator_name(name) or not _STAMP.fullmatch(issued):
+        if not check_operator_name(name) or not _STAMP.fullmatch(issued) or not csrf:
             return None
         # Bytes, not str: compare_digest refuses non-ASCII str (a forged cookie may hold any
         # byte), which would make a refusal a server error.
-        if not hmac.compare_digest(mac.encode("utf-8"), self._mac(name, issued).encode()):
+        expected = self._mac(name, issued, csrf).encode()
+        if not hmac.compare_digest(mac.encode("utf-8"), expected):
             return None
         age = time.time() - int(issued)
         if not -_CLOCK_SKEW <= age <= self.session_max_age:
@@ -162,15 +168,22 @@ class Guard:
             with contextlib.suppress(Throttled):  # throttled: the token counts for nothing
                 if self.guess(request, credentials.strip()):
                     return "dashboard:token"
-        return self._session_actor(request.cookies.get(SESSION_COOKIE, ""))
+        return self._session_actor(
+            request.cookies.get(SESSION_COOKIE, ""), request.cookies.get(CSRF_COOKIE, "")
+        )
 
     def log_in(self, request: Request, response: Response, name: str) -> None:
-        """Set the session cookie for ``name`` (the token was checked by the caller)."""
-        response.set_cookie(
-            SESSION_COOKIE, self.session_value(name, time.time()),
-            max_age=self.session_max_age, path=_cookie_path(request), httponly=True,
-            samesite="strict", secure=request.url.scheme == "https",
-        )
+        """Set the session cookie for ``name``, bound to the CSRF cookie the login carried
+        (the token and the CSRF field were checked by the caller), and keep that CSRF cookie
+        as long as the session: a browser that dropped it would be logged out."""
+        csrf = request.cookies.get(CSRF_COOKIE, "")
+        for cookie, value in (
+            (SESSION_COOKIE, self.session_value(name, time.time(), csrf)), (CSRF_COOKIE, csrf)
+        ):
+            response.set_cookie(
+                cookie, value, max_age=self.session_max_age, path=_cookie_path(request),
+                httponly=True, samesite="strict", secure=request.url.scheme == "https",
+            )
 
     @staticmethod
     def log_out(request: Request, response: Response) -> None:

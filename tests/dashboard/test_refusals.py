@@ -93,16 +93,22 @@ def csrf_of(client: TestClient) -> str:
     return token
 
 
-def log_in(client: TestClient, name: str = "carol", token: str = TOKEN) -> str:
-    """Log in with ``token``; returns the session cookie's value."""
-    answer = client.post(
-        "/login", data={"csrf_token": csrf_of(client), "token": token, "name": name}
-    )
+def log_in(client: TestClient, name: str = "carol", token: str = TOKEN) -> dict[str, str]:
+    """Log in with ``token``; returns the cookies of the login: the session and the CSRF
+    cookie it is bound to."""
+    csrf = csrf_of(client)
+    answer = client.post("/login", data={"csrf_token": csrf, "token": token, "name": name})
     assert answer.status_code == 303
     session = client.cookies.get(SESSION)
     assert session is not None
     assert f"dashboard:{name}" in client.get("/").text
-    return session
+    return {SESSION: session, CSRF_COOKIE: csrf}
+
+
+def replay(client: TestClient, cookies: dict[str, str]) -> TestClient:
+    for name, value in cookies.items():
+        client.cookies.set(name, value)
+    return client
 
 
 def sets_session(answer: httpx2.Response) -> bool:
@@ -187,10 +193,8 @@ def forged_session_cookie(apps: Apps) -> Caller:
 
 def cookie_of_another_token(apps: Apps) -> Caller:
     """A genuine session cookie, made by a dashboard with another admin token."""
-    cookie = log_in(apps(admin_token=OTHER_TOKEN), token=OTHER_TOKEN)
-    client = apps(admin_token=TOKEN)
-    client.cookies.set(SESSION, cookie)
-    return Caller(client)
+    cookies = log_in(apps(admin_token=OTHER_TOKEN), token=OTHER_TOKEN)
+    return Caller(replay(apps(admin_token=TOKEN), cookies))
 
 
 def hook_returning_none(apps: Apps) -> Caller:
@@ -208,10 +212,8 @@ def hook_returning_none(apps: Apps) -> Caller:
 
 def read_only_app(apps: Apps) -> Caller:
     """No token and no hook: even the real token and a genuine session cookie are nothing."""
-    cookie = log_in(apps(admin_token=TOKEN))
-    client = apps()
-    client.cookies.set(SESSION, cookie)
-    return Caller(client, {"authorization": f"Bearer {TOKEN}"})
+    cookies = log_in(apps(admin_token=TOKEN))
+    return Caller(replay(apps(), cookies), {"authorization": f"Bearer {TOKEN}"})
 
 
 LACKING: Final[dict[str, Callable[[Apps], Caller]]] = {
@@ -283,11 +285,9 @@ def test_the_snapshot_sees_what_each_allowed_action_writes(
 def test_a_session_cookie_replayed_on_a_dashboard_with_the_same_token_may_act(
     client_for: Apps, pgtask_engine: Engine, targets: Targets
 ) -> None:
-    """The control of the cookie refusals: a cookie set on a client this way is sent, and a
-    genuine one is accepted, so a refused one was refused for its signature."""
-    cookie = log_in(client_for(admin_token=TOKEN), "carol")
-    client = client_for(admin_token=TOKEN)
-    client.cookies.set(SESSION, cookie)
+    """The control of the cookie refusals: cookies set on a client this way are sent, and a
+    genuine login's are accepted, so a refused one was refused for its signature."""
+    client = replay(client_for(admin_token=TOKEN), log_in(client_for(admin_token=TOKEN)))
 
     answer = client.post("/queues/emails/pause", data={"csrf_token": csrf_of(client)})
 

@@ -25,6 +25,7 @@ from tests.dashboard.test_refusals import csrf_of
 
 Apps = Callable[..., TestClient]
 SESSION: Final = "pgtask_session"
+CSRF: Final = "pgtask_csrf"
 HOUR: Final = 3600
 
 
@@ -44,7 +45,7 @@ def acts_as(client: TestClient) -> str | None:
 
 
 def logged_in_at(client: TestClient, issued_at: float, name: str = "carol") -> None:
-    client.cookies.set(SESSION, guard_of(client).session_value(name, issued_at))
+    client.cookies.set(SESSION, guard_of(client).session_value(name, issued_at, csrf_of(client)))
 
 
 def set_cookie_of(answer: object) -> str:
@@ -114,7 +115,9 @@ def test_an_expired_session_may_not_act_and_writes_nothing(
 
 def test_a_session_whose_login_time_was_changed_is_refused(shared_client_for: Apps) -> None:
     client = shared_client_for(admin_token=TOKEN, session_max_age=HOUR)
-    name, issued, mac = guard_of(client).session_value("carol", time.time() - 2 * HOUR).split(":")
+    name, issued, mac = guard_of(client).session_value(
+        "carol", time.time() - 2 * HOUR, csrf_of(client)
+    ).split(":")
     client.cookies.set(SESSION, f"{name}:{int(time.time())}:{mac}")
 
     assert acts_as(client) is None
@@ -152,3 +155,35 @@ def test_a_session_max_age_out_of_range_or_of_another_type_is_refused(
 ) -> None:
     with pytest.raises(ValueError, match="session_max_age"):
         create_app(pgtask_engine, admin_token=TOKEN, session_max_age=value)  # type: ignore[arg-type]
+
+
+def test_a_session_counts_only_beside_the_csrf_cookie_of_its_login(
+    client_for: Apps, pgtask_engine: Engine
+) -> None:
+    # Whoever can plant cookies on the dashboard's host (a sibling subdomain, plain HTTP)
+    # could choose the CSRF cookie and field: with the operator's session, that acted.
+    with pgtask_engine.begin() as connection:
+        configure_queue(connection, "emails", max_outstanding_tasks=10, actor="seed")
+    client = client_for(admin_token=TOKEN)
+    genuine = csrf_of(client)
+    login = client.post("/login", data={"csrf_token": genuine, "token": TOKEN, "name": "carol"})
+    assert login.status_code == 303
+
+    planted = "p" * 43  # well formed, and the attacker's
+    client.cookies.delete(CSRF)
+    client.cookies.set(CSRF, planted)
+    forged = client.post("/queues/emails/pause", data={"csrf_token": planted})
+
+    assert forged.status_code == 403
+    with pgtask_engine.connect() as connection:
+        assert not [q for q in list_queues(connection) if q.name == "emails" and q.paused]
+    assert acts_as(client) is None
+    # The control: beside its own CSRF cookie the session acts.
+    client.cookies.delete(CSRF)
+    client.cookies.set(CSRF, genuine)
+    assert client.post("/queues/emails/pause", data={"csrf_token": genuine}).status_code == 303
+    with pgtask_engine.connect() as connection:
+        assert [q for q in list_queues(connection) if q.name == "emails" and q.paused]
+    # The login keeps the CSRF cookie as long as the session it is bound to.
+    (kept,) = [c for c in login.headers.get_list("set-cookie") if c.startswith(f"{CSRF}=")]
+    assert f"Max-Age={12 * HOUR}" in kept
