@@ -116,6 +116,8 @@ async def login(dashboard: Dashboard, request: Request) -> Response:
         return form
     token, name = form.get("token"), form.get("name")
     name = name.strip() if isinstance(name, str) and name.strip() else "admin"
+    if dashboard.guard.admin_token is None:  # nothing to log in with: not a guess either
+        return dashboard.render(request, "login.html", {"failed": True}, status_code=403)
     try:
         right = dashboard.guard.guess(request, token)
     except Throttled as exc:

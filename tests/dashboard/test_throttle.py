@@ -190,3 +190,12 @@ def test_retry_after_is_whole_seconds_rounded_up_and_at_least_one() -> None:
     assert Throttled(1.0).retry_after == 1
     assert Throttled(1.01).retry_after == 2
     assert Throttled(-3).retry_after == 1
+
+
+def test_a_dashboard_without_a_token_refuses_every_login_with_403_and_counts_none(
+    pgtask_engine: Engine,
+) -> None:
+    # Read-only: a login is refused, as documented; it used to count as a wrong guess, so
+    # the eleventh answered 429.
+    with TestClient(create_app(pgtask_engine), follow_redirects=False) as client:
+        assert [log_in(client, TOKEN) for _ in range(LIMIT + 2)] == [403] * (LIMIT + 2)
