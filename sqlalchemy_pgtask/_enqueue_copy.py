@@ -80,7 +80,8 @@ def _plan(rows: Sequence[TaskRow], now: Any, real: bool) -> tuple[str, Iterable[
 
 def copy_rows_sync(connection: Connection, rows: Sequence[TaskRow]) -> bool:
     """``COPY`` ``rows`` in ``connection``'s transaction (begun if it was not); False, having
-    sent nothing, when the driver is not psycopg. Errors are raised as SQLAlchemy would."""
+    sent nothing, when the driver is not psycopg or the client encoding not UTF-8. Errors are
+    raised as SQLAlchemy would."""
     driver = connection.connection.driver_connection
     if not isinstance(driver, psycopg.Connection) or not _utf8(driver):
         return False
@@ -121,7 +122,9 @@ async def copy_rows_async(connection: AsyncConnection, rows: Sequence[TaskRow]) 
                 for row in copied:
                     await copy.write_row(row)
     except psycopg.Error as exc:
-        error, lost = _error(connection.sync_connection, raw.dbapi_connection, command, exc)  # type: ignore[arg-type]
+        sync = connection.sync_connection
+        assert sync is not None  # a connection that just ran the COPY has begun
+        error, lost = _error(sync, raw.dbapi_connection, command, exc)
         if lost:
             await connection.invalidate(error)
         raise error from exc

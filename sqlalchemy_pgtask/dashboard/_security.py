@@ -104,7 +104,7 @@ class Guard:
     def _mac(self, name: str, issued: str, csrf: str) -> str:
         assert self.admin_token is not None
         key = hashlib.sha256(_SESSION_CONTEXT + self.admin_token.encode("utf-8")).digest()
-        message = f"{name}\x00{issued}\x00{csrf}".encode("utf-8")
+        message = f"{name}\x00{issued}\x00{csrf}".encode()
         return hmac.new(key, message, hashlib.sha256).hexdigest()
 
     def session_value(self, name: str, issued_at: float, csrf: str) -> str:
