@@ -284,15 +284,21 @@ def plan_occurrences(
     catch_up_limit: int | None,
     previous_active: bool,
     overlap: str = "allow",
+    waiting: bool = False,
 ) -> Occurrences:
-    """Apply the misfire and overlap policies to a schedule whose cursor is due (<= now)."""
+    """Apply the misfire and overlap policies to a schedule whose cursor is due (<= now).
+
+    ``waiting``: the cursor is an occurrence that was on time but found its queue full; it
+    stays due until a newer occurrence falls due, whatever ``skip``'s grace says.
+    """
     following = recurrence.next_after(now, cursor)
     latest = max(recurrence.latest(now, cursor), cursor)
     if previous_active:  # overlap "skip": the previous occurrence's task is still active
         return Occurrences([], following, dropped=True)
     if misfire == "skip":
         grace = min(MISFIRE_GRACE, (recurrence.next_after(latest, cursor) - latest) / 2)
-        due = [latest] if now - latest <= grace else []
+        on_time = now - latest <= grace or (waiting and latest == cursor)
+        due = [latest] if on_time else []
         return Occurrences(due, following, dropped=latest > cursor or not due)
     if misfire == "catch_up":
         # Overlap "skip": occurrences must not run side by side, so one at a time.

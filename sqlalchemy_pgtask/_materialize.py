@@ -50,6 +50,9 @@ FAILURE_RETRY: Final = timedelta(seconds=60)
 _CAPACITY: Final = "PT001"
 _SAVEPOINT: Final = "pgtask_schedule"
 _ERROR_MAX: Final = 1000
+#: How ``last_error`` of a schedule whose occurrence waits for room starts: the next pass
+#: keeps that occurrence due (`plan_occurrences`' ``waiting``).
+_WAITING: Final = "waiting for room: "
 
 
 @dataclass
@@ -154,7 +157,7 @@ def _wait_for_room(
     )
     _advance(
         connection, row["name"], due[index],
-        f"waiting for room: {reason} (occurrence {due[index].isoformat()})"[:_ERROR_MAX],
+        f"{_WAITING}{reason} (occurrence {due[index].isoformat()})"[:_ERROR_MAX],
     )
     report.waiting.append(row["name"])
 
@@ -174,6 +177,7 @@ def _materialize_one(
             catch_up_limit=row["catch_up_limit"],
             previous_active=bool(row["previous_active"]) and row["overlap"] == "skip",
             overlap=row["overlap"],
+            waiting=(row["last_error"] or "").startswith(_WAITING),
         )
     except RecurrenceError as exc:
         _fail(connection, row, recurrence, now, f"cannot compute occurrences: {exc}", report)

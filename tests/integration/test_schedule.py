@@ -308,6 +308,31 @@ def test_a_full_queue_keeps_the_occurrence_at_the_cursor_until_there_is_room(
         assert done.last_error is None
 
 
+def test_under_skip_an_occurrence_waiting_for_room_is_created_once_there_is_room(
+    pgtask_engine: Engine, at_t0: DatabaseClock
+) -> None:
+    # skip's grace (a minute late at most) used to drop it on the first pass after a minute,
+    # though no newer occurrence had fallen due.
+    with Session(pgtask_engine) as session:
+        configure_queue(session, "small", max_outstanding_tasks=1)
+        blocker = enqueue(session, "other", queue="small").id
+        session.commit()
+    make(pgtask_engine, "hourly", cron="0 * * * *", queue="small", misfire="skip")
+    set_now(at_t0, minute(11, 0) + timedelta(seconds=5))
+    assert materialize_schedules(pgtask_engine).waiting == ["hourly"]
+    assert cursor(pgtask_engine, "hourly") == minute(11, 0)
+
+    set_now(at_t0, minute(11, 5))  # five minutes late, the next occurrence (12:00) not due
+    with Session(pgtask_engine) as session:
+        session.execute(update(Task).where(Task.id == blocker)
+                        .values(state="cancelled", completed_at=text("statement_timestamp()")))
+        session.commit()
+    materialize_schedules(pgtask_engine)
+
+    assert occurrences(pgtask_engine, "hourly") == [minute(11, 0)]
+    assert cursor(pgtask_engine, "hourly") == minute(12, 0)
+
+
 def test_delete_removes_the_schedule_and_keeps_its_tasks(
     pgtask_engine: Engine, at_t0: DatabaseClock
 ) -> None:
