@@ -106,7 +106,13 @@ def notified_claims(conninfo: str, rounds: int, gap: float) -> dict[str, list[fl
         try:
             for index in range(2 * rounds):
                 # notifies() holds the connection until it returns: one notification at a time.
-                payloads = [note.payload for note in listener.notifies(stop_after=1)]
+                payloads = [
+                    note.payload for note in listener.notifies(timeout=30, stop_after=1)
+                ]
+                if not payloads:
+                    raise SystemExit(
+                        f"no notification in 30 s (producer exit code {producer.exitcode})"
+                    )
                 claimer, label = (listener, "listening") if index % 2 == 0 else (other, "other")
                 claimer.execute(_BARE_CLAIM).fetchall()
                 millis[label].append((time.monotonic() - float(payloads[0])) * 1000)
