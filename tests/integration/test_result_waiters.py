@@ -17,7 +17,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import psycopg
@@ -367,8 +367,13 @@ def exit_code_within(pid: int, seconds: float) -> int:
         time.sleep(0.05)  # polling a child's exit status, not synchronisation
 
 
-def listener_threads() -> int:
-    return sum(1 for t in threading.enumerate() if t.name == "pgtask-result-listener")
+def listener_threads(besides: Collection[threading.Thread] = ()) -> int:
+    """The result listeners' threads alive, except `besides` (an earlier test's, still ending)."""
+    return sum(
+        1
+        for t in threading.enumerate()
+        if t.name == "pgtask-result-listener" and t not in besides
+    )
 
 
 def test_sync_waiters_one_after_another_reuse_the_listener_its_last_waiter_left(
@@ -380,16 +385,23 @@ def test_sync_waiters_one_after_another_reuse_the_listener_its_last_waiter_left(
     ids = add_tasks(pgtask_database_url, 10)
     finish(pgtask_database_url, ids)
     engine = create_engine(pgtask_database_url)
+    # A test before this one in the same process may have left a listener thread that is
+    # still ending (one whose server went away, say): only this engine's count here.
+    earlier = set(threading.enumerate())
     try:
         alive, checked_out = [], []
         for task_id in ids:
             assert wait_for_result(engine, task_id, timeout=PATIENCE).state == "succeeded"
-            alive.append(listener_threads())
+            alive.append(listener_threads(besides=earlier))
             checked_out.append(engine.pool.checkedout())  # type: ignore[attr-defined]
         assert max(alive) == 1
         assert max(checked_out) == 1  # the listener's, left for the next waiter
         # Without waiters, the listener closes its connection.
-        wait_until(lambda: listener_threads() == 0, PATIENCE, message="the listener to close")
+        wait_until(
+            lambda: listener_threads(besides=earlier) == 0,
+            PATIENCE,
+            message="the listener to close",
+        )
         assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
     finally:
         engine.dispose()
