@@ -172,6 +172,31 @@ def _finished(session: Session, task_id: uuid.UUID) -> Task | None:
     return task if task.state in TERMINAL_STATES else None
 
 
+class _Wait:
+    """One result wait's checked arguments and its deadline (both waiters' share)."""
+
+    def __init__(self, task_id: object, timeout: object, poll_interval: object) -> None:
+        self.task_id = parse_task_id(task_id)
+        self.timeout = check_timeout("timeout", timeout)
+        self.poll_interval = check_poll_interval("poll_interval", poll_interval)
+        self.deadline = None if self.timeout is None else time.monotonic() + self.timeout
+
+    def late(self) -> TimeoutError:
+        return TimeoutError(f"task {self.task_id} did not finish within {self.timeout} s")
+
+    def pause(self) -> float:
+        """How long to wait for a notification before the next read.
+
+        :raises TimeoutError: the deadline has passed.
+        """
+        if self.deadline is None:
+            return self.poll_interval
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise self.late()
+        return min(self.poll_interval, left)
+
+
 def wait_for_result(
     engine: Engine,
     task_id: uuid.UUID | str,
@@ -199,30 +224,18 @@ def wait_for_result(
         `wait_for_result_async`).
     """
     engine = sync_engine(engine, "wait_for_result")
-    wanted = parse_task_id(task_id)
-    timeout = check_timeout("timeout", timeout)
-    poll_interval = check_poll_interval("poll_interval", poll_interval)
-    deadline = None if timeout is None else time.monotonic() + timeout
-
-    def late() -> TimeoutError:
-        return TimeoutError(f"task {wanted} did not finish within {timeout} s")
-
+    wait = _Wait(task_id, timeout, poll_interval)
     with translated_errors(), subscribed_sync(
-        engine, str(wanted), deadline=deadline, late=late
+        engine, str(wait.task_id), deadline=wait.deadline, late=wait.late
     ) as finished:
         while True:
             finished.clear()  # before the read: a notification during it is not lost
             with Session(engine, expire_on_commit=False) as session:
-                task = _finished(session, wanted)
+                task = _finished(session, wait.task_id)
                 if task is not None:
                     session.expunge(task)
                     return task
-            wait = poll_interval
-            if deadline is not None:
-                wait = min(wait, deadline - time.monotonic())
-                if wait <= 0:
-                    raise late()
-            finished.wait(wait)
+            finished.wait(wait.pause())
 
 
 async def wait_for_result_async(
@@ -234,29 +247,18 @@ async def wait_for_result_async(
 ) -> Task:
     """`wait_for_result` for an `AsyncEngine`."""
     engine = async_engine(engine, "wait_for_result")
-    wanted = parse_task_id(task_id)
-    timeout = check_timeout("timeout", timeout)
-    poll_interval = check_poll_interval("poll_interval", poll_interval)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    connecting = max(10.0, poll_interval)
-
-    def late() -> TimeoutError:
-        return TimeoutError(f"task {wanted} did not finish within {timeout} s")
-
+    wait = _Wait(task_id, timeout, poll_interval)
+    connecting = max(10.0, wait.poll_interval)
     with translated_errors():
         async with subscribed(
-            engine, str(wanted), timeout=connecting, deadline=deadline, late=late
+            engine, str(wait.task_id), timeout=connecting, deadline=wait.deadline, late=wait.late
         ) as finished:
             while True:
                 finished.clear()  # before the read: a notification during it is not lost
                 async with AsyncSession(engine, expire_on_commit=False) as session:
-                    task = await session.run_sync(_finished, wanted)
+                    task = await session.run_sync(_finished, wait.task_id)
                     if task is not None:
                         session.expunge(task)
                         return task
-                wait = poll_interval
-                if deadline is not None:
-                    wait = min(wait, deadline - time.monotonic())
-                    if wait <= 0:
-                        raise late()
-                await first(finished.wait(), timeout=wait)
+                pause = wait.pause()  # before the coroutine: a raise here would orphan it
+                await first(finished.wait(), timeout=pause)

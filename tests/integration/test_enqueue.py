@@ -48,7 +48,7 @@ from sqlalchemy_pgtask import (
 from sqlalchemy_pgtask._driver_sql import driver_statement, execute
 from sqlalchemy_pgtask.statements import ENQUEUE_ONE, ENQUEUE_PLAIN
 from sqlalchemy_pgtask.testing import DatabaseClock
-from tests.support.engines import statements_of
+from tests.support.engines import lose, statements_of
 from tests.support.urls import libpq_url
 from tests.support.waiting import PATIENCE, wait_until
 
@@ -746,10 +746,7 @@ def test_a_single_enqueue_on_a_lost_connection_invalidates_it_as_sqlalchemy_woul
     pgtask_engine: Engine,
 ) -> None:
     with pgtask_engine.connect() as victim:
-        pid = victim.execute(text("SELECT pg_backend_pid()")).scalar_one()
-        victim.commit()
-        with pgtask_engine.connect() as killer:
-            killer.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        lose(victim)
         with pytest.raises(DBAPIError) as caught:
             enqueue(victim, "t")
         assert caught.value.connection_invalidated

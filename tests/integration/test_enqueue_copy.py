@@ -28,7 +28,7 @@ from sqlalchemy_pgtask import (
 )
 from sqlalchemy_pgtask._enqueue_copy import COPY_MIN_ROWS
 from sqlalchemy_pgtask.testing import DatabaseClock
-from tests.support.engines import statements_of
+from tests.support.engines import lose, statements_of, terminate_backend
 from tests.support.urls import libpq_url
 from tests.support.waiting import PATIENCE
 
@@ -216,10 +216,7 @@ def test_a_connection_lost_before_the_copy_is_invalidated_as_for_a_statement(
     pgtask_engine: Engine,
 ) -> None:
     with pgtask_engine.connect() as victim:
-        pid = victim.execute(text("SELECT pg_backend_pid()")).scalar_one()
-        victim.commit()
-        with pgtask_engine.connect() as killer:
-            killer.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        lose(victim)
         with pytest.raises(DBAPIError) as caught:
             enqueue_many(victim, requests(COPY_MIN_ROWS))
         assert caught.value.connection_invalidated
@@ -237,8 +234,7 @@ async def test_the_async_twin_invalidates_a_lost_connection_too(
     async with pgtask_async_engine.connect() as victim:
         pid = (await victim.execute(text("SELECT pg_backend_pid()"))).scalar_one()
         await victim.commit()
-        with pgtask_engine.connect() as killer:
-            killer.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        terminate_backend(pgtask_engine, pid)
         with pytest.raises(DBAPIError) as caught:
             await enqueue_many_async(victim, requests(COPY_MIN_ROWS))
         assert caught.value.connection_invalidated

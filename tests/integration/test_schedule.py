@@ -4,6 +4,7 @@ clock fixture; nothing sleeps."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -60,6 +61,23 @@ def make(engine: Engine, name: str = "every-minute", **options: Any) -> None:
     options.setdefault("cron", None if "every" in options else "* * * * *")
     with Session(engine) as session:
         set_schedule(session, name, task="job", **options)
+        session.commit()
+
+
+def blocked(engine: Engine, queue: str, room: int = 1) -> uuid.UUID:
+    """Cap ``queue`` at ``room`` outstanding tasks and take one place with another task."""
+    with Session(engine) as session:
+        configure_queue(session, queue, max_outstanding_tasks=room)
+        blocker = enqueue(session, "other", queue=queue).id
+        session.commit()
+    return blocker
+
+
+def end(engine: Engine, task_id: uuid.UUID, state: str = "cancelled") -> None:
+    """Make a task terminal (its place in a capped queue frees up)."""
+    with Session(engine) as session:
+        session.execute(update(Task).where(Task.id == task_id)
+                        .values(state=state, completed_at=text("statement_timestamp()")))
         session.commit()
 
 
@@ -280,10 +298,7 @@ def test_a_bad_schedule_never_blocks_the_others(
 def test_a_full_queue_keeps_the_occurrence_at_the_cursor_until_there_is_room(
     pgtask_engine: Engine, at_t0: DatabaseClock
 ) -> None:
-    with Session(pgtask_engine) as session:
-        configure_queue(session, "small", max_outstanding_tasks=2)
-        blocker = enqueue(session, "other", queue="small").id
-        session.commit()
+    blocker = blocked(pgtask_engine, "small", room=2)
     make(pgtask_engine, queue="small", misfire="catch_up", catch_up_limit=10)
     at_t0.advance(2 * 60)  # 10:01 and 10:02 due; room for one
     report = materialize_schedules(pgtask_engine)
@@ -296,9 +311,7 @@ def test_a_full_queue_keeps_the_occurrence_at_the_cursor_until_there_is_room(
         waiting = get_schedule(session, "every-minute")
         assert waiting is not None
         assert "waiting for room" in (waiting.last_error or "")
-        session.execute(update(Task).where(Task.id == blocker)
-                        .values(state="cancelled", completed_at=text("statement_timestamp()")))
-        session.commit()
+    end(pgtask_engine, blocker)
     materialize_schedules(pgtask_engine)
     assert occurrences(pgtask_engine, "every-minute") == [minute(10, 1), minute(10, 2)]
     assert cursor(pgtask_engine, "every-minute") == minute(10, 3)
@@ -313,20 +326,14 @@ def test_under_skip_an_occurrence_waiting_for_room_is_created_once_there_is_room
 ) -> None:
     # skip's grace (a minute late at most) used to drop it on the first pass after a minute,
     # though no newer occurrence had fallen due.
-    with Session(pgtask_engine) as session:
-        configure_queue(session, "small", max_outstanding_tasks=1)
-        blocker = enqueue(session, "other", queue="small").id
-        session.commit()
+    blocker = blocked(pgtask_engine, "small")
     make(pgtask_engine, "hourly", cron="0 * * * *", queue="small", misfire="skip")
     set_now(at_t0, minute(11, 0) + timedelta(seconds=5))
     assert materialize_schedules(pgtask_engine).waiting == ["hourly"]
     assert cursor(pgtask_engine, "hourly") == minute(11, 0)
 
     set_now(at_t0, minute(11, 5))  # five minutes late, the next occurrence (12:00) not due
-    with Session(pgtask_engine) as session:
-        session.execute(update(Task).where(Task.id == blocker)
-                        .values(state="cancelled", completed_at=text("statement_timestamp()")))
-        session.commit()
+    end(pgtask_engine, blocker)
     materialize_schedules(pgtask_engine)
 
     assert occurrences(pgtask_engine, "hourly") == [minute(11, 0)]
@@ -413,19 +420,13 @@ def test_bad_names_are_refused_before_any_sql(
 def test_a_full_queue_holds_back_a_latest_schedule_without_losing_its_occurrence(
     pgtask_engine: Engine, at_t0: DatabaseClock
 ) -> None:
-    with Session(pgtask_engine) as session:
-        configure_queue(session, "tiny", max_outstanding_tasks=1)
-        blocker = enqueue(session, "other", queue="tiny").id
-        session.commit()
+    blocker = blocked(pgtask_engine, "tiny")
     make(pgtask_engine, queue="tiny")
     at_t0.advance(60)
     assert materialize_schedules(pgtask_engine).waiting == ["every-minute"]
     assert occurrences(pgtask_engine, "every-minute") == []
     assert cursor(pgtask_engine, "every-minute") == minute(10, 1)
-    with Session(pgtask_engine) as session:
-        session.execute(update(Task).where(Task.id == blocker)
-                        .values(state="succeeded", completed_at=text("statement_timestamp()")))
-        session.commit()
+    end(pgtask_engine, blocker, "succeeded")
     materialize_schedules(pgtask_engine)
     materialize_schedules(pgtask_engine)
     assert occurrences(pgtask_engine, "every-minute") == [minute(10, 1)]

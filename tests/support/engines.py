@@ -2,6 +2,7 @@
 
 * `engine_for` opens an engine on a URL for the body of a ``with`` and disposes of it after.
 * `statements_of` records every statement an engine sends from now on.
+* `lose` ends the server process behind a connection, as a crash or an administrator would.
 * `executions_of` records every time an engine has run one given statement object (one of
   ``sqlalchemy_pgtask.statements``, say) through the compiled path; the single enqueue's
   statements go to the driver as text and are never seen here.
@@ -13,10 +14,10 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.sql.base import Executable
 
-__all__ = ["engine_for", "executions_of", "statements_of"]
+__all__ = ["engine_for", "executions_of", "lose", "statements_of", "terminate_backend"]
 
 
 @contextlib.contextmanager
@@ -54,3 +55,20 @@ def executions_of(engine: Engine, statement: Executable) -> list[Any]:
 
     event.listen(engine, "after_cursor_execute", record)
     return seen
+
+
+def terminate_backend(engine: Engine, pid: int) -> None:
+    """End the server process ``pid`` from a connection of ``engine``, once it has gone."""
+    with engine.connect() as killer:
+        ended = killer.execute(
+            text("SELECT pg_terminate_backend(:pid, 10000)"), {"pid": pid}
+        ).scalar_one()
+    assert ended, f"backend {pid} did not end"
+
+
+def lose(connection: Connection) -> None:
+    """End ``connection``'s server process (outside a transaction); the client learns it
+    at its next statement."""
+    pid = connection.execute(text("SELECT pg_backend_pid()")).scalar_one()
+    connection.commit()
+    terminate_backend(connection.engine, pid)
