@@ -239,7 +239,10 @@ class Recurrence:
         base = after if anchor is None else anchor
         step = self._step()
         steps = (after - base) // _TICK // step + 1
-        return base + steps * step * _TICK
+        try:
+            return base + steps * step * _TICK
+        except OverflowError:
+            raise RecurrenceError("it has no occurrence before the year 10000") from None
 
     def latest(self, at: datetime, anchor: datetime | None = None) -> datetime:
         """The last occurrence at or before ``at``."""
@@ -259,7 +262,10 @@ class Recurrence:
         """``cursor`` and the occurrences after it, ``count`` in all."""
         found = [cursor]
         while len(found) < count:
-            found.append(self.next_after(found[-1], cursor))
+            try:
+                found.append(self.next_after(found[-1], cursor))
+            except RecurrenceError:  # the calendar ends (year 9999) before ``count`` of them
+                break
         return found[:count]
 
 

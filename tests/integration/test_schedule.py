@@ -431,3 +431,17 @@ def test_a_full_queue_holds_back_a_latest_schedule_without_losing_its_occurrence
     materialize_schedules(pgtask_engine)
     assert occurrences(pgtask_engine, "every-minute") == [minute(10, 1)]
     assert cursor(pgtask_engine, "every-minute") == minute(10, 2)
+
+
+@pytest.mark.parametrize("recurrence", [{"every": 60}, {"cron": "59 23 31 12 *"}])
+def test_a_schedule_near_the_end_of_the_calendar_lists_the_occurrences_there_are(
+    pgtask_engine: Engine, recurrence: dict[str, Any]
+) -> None:
+    # The next interval occurrence after 9999-12-31 23:59 overflowed Python's datetime: set_schedule
+    # raised OverflowError (a traceback from `pgtask schedule set`) instead of returning.
+    last = datetime(9999, 12, 31, 23, 59, tzinfo=UTC)
+    with Session(pgtask_engine) as session:
+        info = set_schedule(session, "last-minute", task="job", start_at=last, **recurrence)
+        session.commit()
+    assert info.next_run_at.astimezone(UTC) == last
+    assert [at.astimezone(UTC) for at in info.upcoming] == [last]
