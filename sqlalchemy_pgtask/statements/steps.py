@@ -107,18 +107,24 @@ def _save_checkpoint() -> Select[Any]:
             ),
         )
         .on_conflict_do_nothing(index_elements=list(CHECKPOINT_KEY))
-        .returning(checkpoints.c.task_id)
+        .returning(cast(checkpoints.c.value, Text).label("stored"))
         .cte("saved")
     )
-    return select(has_rows(fence).label("held"), has_rows(saved).label("saved"))
+    return select(
+        has_rows(fence).label("held"),
+        has_rows(saved).label("saved"),
+        select(saved.c.stored).scalar_subquery().label("stored"),
+    )
 
 
 #: Stores a checkpoint (``kind``, ``value`` as JSON text) if this attempt still holds its lease
 #: and the key is free. Locks the attempt's row ``FOR SHARE`` until commit, so the attempt
 #: cannot end (nor the task be claimed again) before the write commits. Returns ``(held,
-#: saved)``: ``saved`` false with ``held`` true means the key already had a value, which
-#: `CHECKPOINT` then reads (the first committed value wins). Binds `DurableParams` plus
-#: ``kind`` and ``value``.
+#: saved, stored)``: ``stored`` is the value as ``jsonb`` keeps it (its text: key order,
+#: numbers and duplicate keys as a replay reads them back), NULL when nothing was saved;
+#: ``saved`` false with ``held`` true means the key already had a value, which `CHECKPOINT`
+#: then reads (the first committed value wins). Binds `DurableParams` plus ``kind`` and
+#: ``value``.
 SAVE_CHECKPOINT: Final = _save_checkpoint()
 
 

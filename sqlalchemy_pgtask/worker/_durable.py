@@ -163,8 +163,14 @@ class DurableAttempt:
         )
         raise Suspended(f"task {self.lease.task_id} {why}")
 
-    async def fence_failed(self, *, suspending: bool) -> NoReturn:
-        """A fenced write matched nothing: say why, by raising what ends the handler."""
+    async def fence_failed(
+        self, *, suspending: bool, unless_ours: BaseException | None = None
+    ) -> NoReturn:
+        """A fenced write matched nothing: say why, by raising what ends the handler.
+
+        ``unless_ours``: the write failed with this error instead, which is raised again if
+        the lease turns out to be this attempt's after all (a failure it did not cause).
+        """
         rows = await self.calls.rows(self, FENCE_STATE, {"task": self.lease.task_id})
         row = rows[0] if rows else None
         ours = (
@@ -174,6 +180,8 @@ class DurableAttempt:
         if ours and row is not None and row.cancel:
             self.ctx.request_stop("cancelled")
             raise TaskCancelled(f"task {self.lease.task_id} was cancelled")
+        if ours and unless_ours is not None:
+            raise unless_ours
         if not ours and suspending and self.retried:
             self.suspend("(its suspension committed before the connection broke)")
         self.ctx.request_stop("lease_lost")
@@ -188,8 +196,8 @@ class DurableAttempt:
         row = (await self.calls.rows(self, SAVE_CHECKPOINT, params))[0]
         if not row.held:
             await self.fence_failed(suspending=False)
-        if row.saved:
-            stored = json.loads(document)
+        if row.saved:  # as jsonb keeps it, so the first run sees what its replays will
+            stored = json.loads(row.stored)
         else:  # the first committed value wins (an earlier try of this very call)
             found = (await self.calls.rows(self, CHECKPOINT, self.params(key)))[0]
             if found.kind != kind:

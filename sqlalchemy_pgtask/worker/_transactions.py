@@ -20,6 +20,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Engine, create_engine
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
@@ -68,6 +69,13 @@ class _ReplaySession(Session):
 
     def get_bind(self, *args: Any, **kwargs: Any) -> Any:
         raise _Refused("this transaction step was committed by an earlier attempt")
+
+
+def _stale_snapshot(exc: DBAPIError) -> bool:
+    """Whether the fence failed as a serialization failure: at REPEATABLE READ or above, an
+    attempt row changed since the block's snapshot (its attempt ended) is not skipped but
+    refused."""
+    return getattr(exc.orig, "sqlstate", None) == "40001"
 
 
 class _Step:
@@ -160,7 +168,13 @@ class AsyncTransactionStep(_Step):
         runtime = self._runtime
         document = self._document()
         runtime.guard()
-        row = (await connection.execute(SAVE_CHECKPOINT, self._params(document))).one()
+        try:
+            row = (await connection.execute(SAVE_CHECKPOINT, self._params(document))).one()
+        except DBAPIError as exc:
+            if not _stale_snapshot(exc):
+                raise
+            await connection.rollback()
+            await runtime.fence_failed(suspending=False, unless_ours=exc)
         if not row.held:
             await connection.rollback()
             await runtime.fence_failed(suspending=False)
@@ -178,7 +192,7 @@ class AsyncTransactionStep(_Step):
                 raise
             self._stored(committed)
             return
-        self._stored(json.loads(document))
+        self._stored(json.loads(row.stored))  # as jsonb keeps it, as a replay reads it
 
 
 class SyncTransactionStep(_Step):
@@ -228,7 +242,13 @@ class SyncTransactionStep(_Step):
         runtime = self._runtime
         document = self._document()
         runtime.guard()
-        row = connection.execute(SAVE_CHECKPOINT, self._params(document)).one()
+        try:
+            row = connection.execute(SAVE_CHECKPOINT, self._params(document)).one()
+        except DBAPIError as exc:
+            if not _stale_snapshot(exc):
+                raise
+            connection.rollback()
+            runtime.call(runtime.fence_failed(suspending=False, unless_ours=exc))
         if not row.held:
             connection.rollback()
             runtime.call(runtime.fence_failed(suspending=False))
@@ -248,4 +268,4 @@ class SyncTransactionStep(_Step):
                 raise
             self._stored(committed)
             return
-        self._stored(json.loads(document))
+        self._stored(json.loads(row.stored))  # as jsonb keeps it, as a replay reads it

@@ -7,6 +7,7 @@ attempt replays everything before it). Time moves with the database clock, never
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import uuid
 from collections import Counter
@@ -111,6 +112,61 @@ async def test_a_step_runs_once_and_its_stored_value_is_replayed_by_the_retry(
         ("charge", 0): ("step", {"charged": 42, "at": [1, 2]}),
         ("charge", 1): ("step", "x"),
     }
+
+
+def shape(value: Any) -> Any:
+    """What ``==`` overlooks: each value's type and each object's key order."""
+    if isinstance(value, dict):
+        return [(key, shape(item)) for key, item in value.items()]
+    if isinstance(value, list):
+        return [shape(item) for item in value]
+    return type(value).__name__, value
+
+
+# Python writes 1e16 in exponent form, which jsonb keeps as the integer it is; jsonb orders an
+# object's keys shortest first. The first run used to see Python's reading of what it wrote.
+AWKWARD = {"zz": 1e16, "a": 2.5, "b": [1e-7, {"yy": 1, "x": 2}]}
+
+
+async def test_the_first_run_sees_a_stored_value_exactly_as_its_replays_do(
+    pgtask_database_url: str, pgtask_async_engine: AsyncEngine
+) -> None:
+    async with pgtask_async_engine.begin() as conn:
+        await conn.run_sync(app_metadata.create_all)
+    seen: dict[str, list[Any]] = {}
+    registry = Registry()
+
+    @registry.task("awkward", retry=AGAIN, max_attempts=3)
+    async def awkward(ctx: TaskContext, payload: None) -> None:
+        value = await ctx.step("value", lambda: AWKWARD)
+        tx = ctx.transaction("insert")
+        async with tx as session:
+            await session.execute(orders.insert().values(note="async"))
+            tx.result = AWKWARD
+        seen.setdefault("async", []).append((shape(value), shape(tx.result)))
+        if ctx.attempt == 1:
+            raise RuntimeError("replay them")
+
+    @registry.task("awkward-sync", retry=AGAIN, max_attempts=3)
+    def awkward_sync(ctx: SyncTaskContext, payload: None) -> None:
+        value = ctx.step("value", lambda: AWKWARD)
+        tx = ctx.transaction("insert")
+        with tx as session:
+            session.execute(orders.insert().values(note="sync"))
+            tx.result = AWKWARD
+        seen.setdefault("sync", []).append((shape(value), shape(tx.result)))
+        if ctx.attempt == 1:
+            raise RuntimeError("replay them")
+
+    ids = [await add(pgtask_async_engine, name) for name in ("awkward", "awkward-sync")]
+    async with running_worker(registry, pgtask_database_url, OPTIONS):
+        for task_id in ids:
+            row = await wait_for_state(pgtask_async_engine, task_id, timeout=PATIENCE)
+            assert row["state"] == "succeeded", row["error"]
+    for kind in ("async", "sync"):
+        first, replay = seen[kind]
+        assert first == replay, kind
+        assert first[0][0] == ("a", ("float", 2.5))  # jsonb's order, not the dict's
 
 
 async def test_sync_handlers_have_the_same_steps(
@@ -678,6 +734,60 @@ async def test_a_stale_attempt_racing_a_fresh_one_writes_the_business_row_once(
         assert (row["state"], row["result"]) == ("succeeded", 2)
         release.set()  # the stale attempt now tries to commit its block
         await wait_until(lambda: len(endings) == 2, PATIENCE, message="the stale attempt ended")
+    assert endings == ["attempt 2: committed", "attempt 1: lease lost"]
+    async with pgtask_async_engine.connect() as conn:
+        notes = (await conn.execute(select(orders.c.note))).scalars().all()
+    assert notes == ["attempt 2"]
+
+
+async def test_a_stale_attempt_on_a_repeatable_read_engine_ends_with_lease_lost(
+    pgtask_database_url: str, pgtask_async_engine: AsyncEngine
+) -> None:
+    # At REPEATABLE READ the fence's lock on an attempt row that ended after the block's
+    # snapshot is refused (a serialization failure) rather than skipped: the handler used to
+    # get that OperationalError, which an ``except Exception`` swallows, not LeaseLost.
+    async with pgtask_async_engine.begin() as conn:
+        await conn.run_sync(app_metadata.create_all)
+    engine = create_async_engine(pgtask_async_engine.url, isolation_level="REPEATABLE READ")
+    inside, release = asyncio.Event(), asyncio.Event()
+    endings: list[str] = []
+    registry = Registry()
+
+    @registry.task("rr-stale", max_attempts=5)
+    async def racer(ctx: TaskContext, payload: None) -> int:
+        try:
+            async with ctx.transaction("insert") as session:
+                await session.execute(orders.insert().values(note=f"attempt {ctx.attempt}"))
+                if ctx.attempt == 1:  # its snapshot is taken: now let it go stale
+                    inside.set()
+                    await asyncio.wait_for(release.wait(), PATIENCE)
+        except LeaseLost:
+            endings.append(f"attempt {ctx.attempt}: lease lost")
+            raise
+        except Exception as exc:
+            endings.append(f"attempt {ctx.attempt}: {type(exc).__name__}")
+            raise
+        endings.append(f"attempt {ctx.attempt}: committed")
+        return ctx.attempt
+
+    task_id = await add(pgtask_async_engine, "rr-stale")
+    options = WorkerOptions(lease_duration=5.0, concurrency=2, poll_interval=0.5)
+    try:
+        async with running_worker(registry, engine, options):
+            await asyncio.wait_for(inside.wait(), PATIENCE)
+            async with pgtask_async_engine.begin() as conn:
+                await conn.execute(
+                    update(Task).where(Task.id == task_id).values(
+                        lease_expires_at=func.pgtask.now() - text("interval '1 second'")
+                    )
+                )
+                assert len((await conn.execute(statements.RECOVER, {"limit": 10})).all()) == 1
+            row = await wait_for_state(pgtask_async_engine, task_id, timeout=PATIENCE)
+            assert (row["state"], row["result"]) == ("succeeded", 2)
+            release.set()
+            await wait_until(lambda: len(endings) == 2, PATIENCE, message="the stale attempt ended")
+    finally:
+        await engine.dispose()
     assert endings == ["attempt 2: committed", "attempt 1: lease lost"]
     async with pgtask_async_engine.connect() as conn:
         notes = (await conn.execute(select(orders.c.note))).scalars().all()

@@ -27,7 +27,7 @@ import json
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any, Final, Generic, Literal, TypeVar
+from typing import Any, Final, Generic, Literal, NamedTuple, TypeVar
 
 import pytest
 from sqlalchemy import Connection, Engine, Row, select, text
@@ -202,12 +202,24 @@ def params(lease: st.Lease, step: str, occurrence: int = 0) -> st.DurableParams:
     return st.durable_params(lease, VERSION, step, occurrence)
 
 
+class Saved(NamedTuple):
+    """What SAVE_CHECKPOINT answered, without the stored text (see `stored`)."""
+
+    held: bool
+    saved: bool
+
+
 def save_checkpoint(
     conn: Connection, lease: st.Lease, step: str, value: Any, kind: str = "step"
-) -> Row[Any]:
-    """SAVE_CHECKPOINT: ``(held, saved)``."""
+) -> Saved:
+    """SAVE_CHECKPOINT: ``(held, saved)``; the stored text must be ``value``'s ``jsonb`` form."""
     bound = {**params(lease, step), "kind": kind, "value": json.dumps(value)}
-    return conn.execute(st.SAVE_CHECKPOINT, bound).one()
+    row = conn.execute(st.SAVE_CHECKPOINT, bound).one()
+    if row.saved:
+        assert json.loads(row.stored) == value
+    else:
+        assert row.stored is None
+    return Saved(row.held, row.saved)
 
 
 def read_checkpoint(conn: Connection, task_id: uuid.UUID, step: str) -> Row[Any, Any] | None:
