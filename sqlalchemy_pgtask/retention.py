@@ -74,6 +74,8 @@ class RetentionResult:
     workers_deleted: int = 0
     #: Deleting statements run, each in its own transaction.
     batches: int = 0
+    #: Whether some kind stopped at ``max_batches`` with work possibly left (run it again).
+    stopped_early: bool = False
 
 
 class RetentionSweep:
@@ -113,6 +115,7 @@ class RetentionSweep:
             keys_deleted=self.keys_deleted,
             workers_deleted=self.workers_deleted,
             batches=self.batches,
+            stopped_early=self.cut_short,
         )
 
     def _more(self, done: int) -> bool:
@@ -160,7 +163,14 @@ class RetentionSweep:
         done = 0
         if not self._more(done):
             return
-        queues = yield (retention_statements.FINISHED_QUEUES, {"queue": self._queue})
+        queues = yield (
+            retention_statements.FINISHED_QUEUES,
+            {
+                "queue": self._queue,
+                "cursor_queues": list(self.cursors),
+                "cursor_afters": list(self.cursors.values()),
+            },
+        )
         for policy in queues:
             while self._more(done):
                 (row,) = yield (

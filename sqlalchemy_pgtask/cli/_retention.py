@@ -41,7 +41,8 @@ def result_line(result: RetentionResult, *, queue: str | None) -> str:
     if queue is None:
         parts.append(_plural(result.workers_deleted, "worker row"))
     batches = _plural(result.batches, "batch", "batches")
-    return f"deleted {', '.join(parts)}{scope} in {batches}"
+    more = " (stopped at --max-batches: more may be left)" if result.stopped_early else ""
+    return f"deleted {', '.join(parts)}{scope} in {batches}{more}"
 
 
 def retention_run(args: argparse.Namespace) -> int:

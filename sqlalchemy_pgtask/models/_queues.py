@@ -80,7 +80,8 @@ class IdempotencyKey(Base):
     """A deduplication reservation, deliberately independent of task history.
 
     ``task_id`` has no foreign key: deleting a task must not release its key. ``expires_at`` is
-    NULL while the task is unfinished, and is set by triggers when it finishes or is deleted.
+    NULL while the task exists (its expiry is derived from the task's completion time and the
+    queue's idempotency retention), and is written down by a trigger when the task is deleted.
     """
 
     __tablename__ = "idempotency_keys"

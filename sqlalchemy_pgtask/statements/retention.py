@@ -37,7 +37,15 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql.dml import ReturningDelete
 
-from sqlalchemy_pgtask.statements._common import NOW, TSTZ, keys, queues, seconds, tasks
+from sqlalchemy_pgtask.statements._common import (
+    NOW,
+    TSTZ,
+    arrays,
+    keys,
+    queues,
+    seconds,
+    tasks,
+)
 from sqlalchemy_pgtask.statements.enqueue import DEFAULT_IDEMPOTENCY_RETENTION_SECONDS
 from sqlalchemy_pgtask.states import TERMINAL_STATES
 
@@ -105,16 +113,39 @@ def _policies() -> CTE:
 
 def _finished_queues_select() -> Select[Any]:
     policies = _policies()
-    return select(
-        policies.c.queue, policies.c.terminal_retention, policies.c.idempotency_retention
-    ).order_by(policies.c.queue)
+    cursors = arrays(
+        "cursors", ("cursor_queues", "queue", Text()), ("cursor_afters", "after", TSTZ)
+    )
+    after = func.coalesce(cursors.c.after, cast(literal_column("'-infinity'"), TSTZ))
+    t = tasks.alias("t")
+    # One probe of ix_tasks_finished per queue: the first task past the cursor.
+    unread = (
+        select(t.c.id)
+        .where(
+            t.c.queue == policies.c.queue,
+            _finished(t),
+            t.c.completed_at > after,
+            t.c.completed_at <= NOW - seconds(policies.c.idempotency_retention),
+        )
+        .exists()
+    )
+    return (
+        select(policies.c.queue, policies.c.terminal_retention, policies.c.idempotency_retention)
+        .select_from(policies.outerjoin(cursors, cursors.c.queue == policies.c.queue))
+        .where(unread)
+        .order_by(cursors.c.after.asc().nulls_first(), policies.c.queue)
+    )
 
 
-#: The queues that have terminal tasks (all, or only the bound ``queue`` when it is not NULL),
-#: with their terminal and idempotency retentions in seconds (the column defaults for queues
-#: without a row). A loose index scan of ``ix_tasks_finished``: one probe per queue, never a
-#: scan of the terminal rows. Locks nothing. Returns ``(queue, terminal_retention,
-#: idempotency_retention)`` by queue name.
+#: The queues (all, or only the bound ``queue`` when it is not NULL) with a terminal task
+#: that finished after the queue's cursor and at least its idempotency retention ago: those
+#: whose `DELETE_FINISHED_KEYS` window is not empty. Binds the cursors as parallel arrays
+#: ``cursor_queues`` and ``cursor_afters`` (a queue without one reads from the oldest).
+#: A loose index scan of ``ix_tasks_finished`` and one probe of it per queue, never a scan
+#: of the terminal rows. Locks nothing. Returns ``(queue, terminal_retention,
+#: idempotency_retention)`` (retentions in seconds, the column defaults for queues without a
+#: row), the queues never read first, then the least recently read (the oldest cursor), so
+#: that a pass cut short by its batch limit starts the next one where it stopped.
 FINISHED_QUEUES: Final = _finished_queues_select()
 
 
@@ -124,13 +155,36 @@ def _delete_finished_tasks() -> ReturningDelete[Any]:
     t = tasks.alias("t")
     child = tasks.alias("child")
     has_child = select(child.c.id).where(child.c.parent_id == t.c.id).exists()
-    # A running or waiting parent may still ask for this child's result (after a sleep, a
-    # retry): the child stays until its parent is finished too.
+    # A parent may still ask for this child's result while it is kept: an unfinished one
+    # after a sleep or a retry, a finished one once an administrator retries it (its replay
+    # waits for the child again). The child stays until its parent is due for deletion too.
     parent = tasks.alias("parent")
-    parent_unfinished = (
+    parent_queue = queues.alias("parent_queue")
+    parent_retention = func.coalesce(
+        select(parent_queue.c.terminal_retention_seconds)
+        .where(parent_queue.c.name == parent.c.queue)
+        .scalar_subquery(),
+        DEFAULT_TERMINAL_RETENTION_SECONDS,
+    )
+    parent_kept = (
         select(parent.c.id)
-        .where(parent.c.id == t.c.parent_id, ~_finished(parent))
+        .where(
+            parent.c.id == t.c.parent_id,
+            or_(~_finished(parent), parent.c.completed_at > NOW - seconds(parent_retention)),
+        )
         .exists()
+    )
+    # Deleting a keyed task writes its key's expiry down (tasks_idempotency_deleted): lock
+    # that reservation here, skipping the task while a producer holds it (taking the key
+    # over), so the trigger never waits for a producer nor a producer for this batch.
+    k = keys.alias("k")
+    reservation = select(k.c.key).where(
+        k.c.queue == t.c.queue, k.c.key == t.c.idempotency_key, k.c.task_id == t.c.id
+    )
+    key_free = or_(
+        t.c.idempotency_key.is_(None),
+        ~reservation.exists(),
+        reservation.with_for_update(key_share=True, skip_locked=True).exists(),
     )
     expired = (
         select(t.c.id)
@@ -139,7 +193,8 @@ def _delete_finished_tasks() -> ReturningDelete[Any]:
             _finished(t),
             t.c.completed_at <= NOW - seconds(policies.c.terminal_retention),
             ~has_child,
-            ~parent_unfinished,
+            ~parent_kept,
+            key_free,
         )
         .order_by(t.c.completed_at)
         .limit(limit)

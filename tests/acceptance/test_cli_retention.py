@@ -72,6 +72,7 @@ def test_max_batches_bounds_a_run(app_dir: Path, db: Database) -> None:
                      "--queue", "default", "--database-url", db.url, cwd=app_dir)
     assert result.returncode == 0, result.stderr
     assert lines(result.stdout)[0].startswith("deleted 2 finished tasks")
+    assert lines(result.stdout)[0].endswith(" (stopped at --max-batches: more may be left)")
     assert db.scalar("SELECT count(*) FROM pgtask.tasks WHERE queue = 'default'") == 8
 
 

@@ -35,6 +35,7 @@ from sqlalchemy_pgtask.worker._maintenance import MAX_BATCHES_PER_PASS
 from sqlalchemy_pgtask.worker._reconnect import HeldConnection
 from sqlalchemy_pgtask.worker._retention import Retention
 from tests.support.durable import claim, claim_one, complete, emit, save_checkpoint
+from tests.support.engines import statements_of
 from tests.support.tasks import claim_parameters
 
 DAY = 24 * 3600.0
@@ -162,6 +163,22 @@ def test_a_parent_stays_while_a_child_is_unfinished_or_kept(pgtask_engine: Engin
     assert tasks_left(pgtask_engine) == 5
 
 
+def test_a_finished_child_stays_while_its_parent_is_kept(
+    pgtask_engine: Engine, pgtask_clock: DatabaseClock
+) -> None:
+    # A failed parent may be retried for as long as it is kept, and its replay waits for its
+    # children again: a child kept more briefly by its own queue used to go first, and the
+    # retried workflow failed ("not a direct child").
+    with pgtask_engine.begin() as conn:
+        configure_queue(conn, "children", terminal_retention_seconds=0)
+        (parent,) = finished(conn, age=3 * DAY, state="failed")
+        finished(conn, age=3 * DAY + 60, queue="children", parent=parent)
+    assert run_retention(pgtask_engine).tasks_deleted == 0
+    pgtask_clock.advance(4 * DAY + 60)  # the parent's week is up: the tree goes, leaves first
+    result = run_retention(pgtask_engine)
+    assert (result.tasks_deleted, tasks_left(pgtask_engine)) == (2, 0)
+
+
 # -- idempotency keys --------------------------------------------------------------------------
 
 
@@ -243,6 +260,40 @@ def test_the_key_of_a_task_being_retried_is_kept(pgtask_engine: Engine) -> None:
     assert (again.id, again.created) == (task, False)
 
 
+def test_a_batch_passes_over_a_task_whose_key_a_producer_is_taking_over(
+    pgtask_engine: Engine, pgtask_database_url: str
+) -> None:
+    # Deleting a keyed task writes its reservation's expiry down. That write used to wait for
+    # a producer holding the reservation (taking the expired key over, not committed yet): the
+    # batch hung as long as the producer's transaction, every producer of a key the batch had
+    # already touched waited behind it, and one re-using such a key deadlocked with it.
+    with pgtask_engine.begin() as conn:
+        configure_queue(conn, "q", terminal_retention_seconds=0, idempotency_retention_seconds=0)
+        finished(conn, age=10, queue="q", key="k2")
+        (held,) = finished(conn, age=5, queue="q", key="k1")
+    # A lock wait fails within 2 s instead of hanging the test.
+    impatient = create_engine(pgtask_database_url, connect_args={"options": "-c lock_timeout=2s"})
+    try:
+        with pgtask_engine.connect() as producer:
+            producer.begin()
+            taken = enqueue(producer, "job", queue="q", idempotency_key="k1")
+            assert taken.created  # k1 had expired
+            result = run_retention(impatient, queue="q")
+            assert (result.tasks_deleted, result.keys_deleted) == (1, 1)  # k2's task and key
+            with impatient.begin() as other:  # the batch is over: nobody waits for it
+                assert enqueue(other, "job", queue="q", idempotency_key="k2").created
+                assert count(other, "pgtask.tasks WHERE id = :id", id=held) == 1
+            producer.commit()
+        # k1 is the producer's task's now: the old task goes, the reservation stays.
+        result = run_retention(impatient, queue="q")
+        assert (result.tasks_deleted, result.keys_deleted) == (1, 0)
+        with impatient.begin() as other:
+            again = enqueue(other, "job", queue="q", idempotency_key="k1")
+        assert (again.id, again.created) == (taken.id, False)
+    finally:
+        impatient.dispose()
+
+
 def test_finished_key_windows_read_every_task_once_ties_included(pgtask_engine: Engine) -> None:
     # 25 tasks sharing one completion time, then 5 more: windows of 10 end on a tie group.
     with pgtask_engine.begin() as conn:
@@ -302,9 +353,9 @@ def test_a_batch_deletes_at_most_batch_size_rows(pgtask_engine: Engine) -> None:
         assert oldest == 15
         conn.rollback()
     one = run_retention(pgtask_engine, batch_size=10, max_batches=1)
-    assert (one.tasks_deleted, tasks_left(pgtask_engine)) == (10, 18)
+    assert (one.tasks_deleted, tasks_left(pgtask_engine), one.stopped_early) == (10, 18, True)
     rest = run_retention(pgtask_engine, batch_size=10)
-    assert rest.tasks_deleted == 18
+    assert (rest.tasks_deleted, rest.stopped_early) == (18, False)
     assert tasks_left(pgtask_engine) == 0
 
 
@@ -558,6 +609,43 @@ async def test_the_worker_service_works_off_a_backlog_pass_by_pass(
     assert keys_left(pgtask_engine) == set()
     with pgtask_engine.connect() as conn:
         assert count(conn, "pgtask.workers") == 1  # worker rows are WorkerPruning's
+
+
+async def test_a_worker_pass_reads_only_queues_with_keys_due_and_reaches_every_one(
+    pgtask_engine: Engine, pgtask_async_engine: AsyncEngine
+) -> None:
+    # Every queue with finished tasks used to cost a finished-keys batch, due or not: with
+    # more such queues than a pass's batches, every pass stopped at its limit and asked for
+    # the next 0.1 s later, for ever, and the queues after the sixteenth by name were never
+    # read (their expired keys stayed).
+    queues = MAX_BATCHES_PER_PASS + 4
+    with pgtask_engine.begin() as conn:
+        for i in range(queues):
+            finished(conn, age=60, queue=f"quiet-{i:02d}", key="recent")  # kept 30 days
+    service = Retention(interval=60.0, batch_size=10)
+    autocommit = pgtask_async_engine.execution_options(isolation_level="AUTOCOMMIT")
+    held = HeldConnection(autocommit, lock_timeout=2.0, statement_timeout=60.0)
+    try:
+        async with held.use() as connection:
+            sent = statements_of(pgtask_async_engine.sync_engine)
+            assert await service.run_once(connection) is None
+            # Finished tasks, expired keys, the queues with keys due: none has any.
+            assert len(sent) == 3
+            with pgtask_engine.begin() as conn:
+                for i in range(queues):
+                    configure_queue(conn, f"short-{i:02d}", idempotency_retention_seconds=60)
+                    finished(conn, age=DAY, queue=f"short-{i:02d}", key="expired")
+            assert await service.run_once(connection) == pytest.approx(0.1)
+            with pgtask_engine.connect() as conn:
+                assert count(conn, "pgtask.idempotency_keys WHERE queue LIKE 'short-%'") == 4
+            # The queues not reached go first in the next pass, which finishes them.
+            assert await service.run_once(connection) is None
+    finally:
+        await held.close()
+    with pgtask_engine.connect() as conn:
+        assert count(conn, "pgtask.idempotency_keys WHERE queue LIKE 'short-%'") == 0
+        assert count(conn, "pgtask.idempotency_keys WHERE queue LIKE 'quiet-%'") == queues
+    assert tasks_left(pgtask_engine) == 2 * queues
 
 
 async def test_a_worker_drains_while_a_retention_batch_is_held_open(

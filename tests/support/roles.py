@@ -455,11 +455,12 @@ def _maintenance(c: Connection, f: JobFixture) -> None:
 def _retention(c: Connection, f: JobFixture) -> None:
     c.execute(retention.DELETE_FINISHED_TASKS, {"queue": None, "limit": 10}).all()
     c.execute(retention.DELETE_EXPIRED_KEYS, {"queue": None, "limit": 10}).all()
-    for queue in c.execute(retention.FINISHED_QUEUES, {"queue": None}).all():
-        c.execute(
-            retention.DELETE_FINISHED_KEYS,
-            {"queue": queue.queue, "after": None, "scan_limit": 10},
-        ).all()
+    c.execute(
+        retention.FINISHED_QUEUES, {"queue": None, "cursor_queues": [], "cursor_afters": []}
+    ).all()
+    c.execute(
+        retention.DELETE_FINISHED_KEYS, {"queue": QUEUE, "after": None, "scan_limit": 10}
+    ).all()
 
 
 def _materialize(c: Connection, f: JobFixture) -> None:
