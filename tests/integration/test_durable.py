@@ -82,6 +82,18 @@ async def suspended(engine: AsyncEngine, task_id: uuid.UUID, attempts: int = 1) 
     return await task_row(engine, task_id)
 
 
+async def expire_and_recover(engine: AsyncEngine, task_id: uuid.UUID) -> None:
+    """End the running attempt's lease now and recover the task, as a dead worker's would be:
+    its next attempt may start while the stale one still runs."""
+    async with engine.begin() as conn:
+        await conn.execute(
+            update(Task).where(Task.id == task_id).values(
+                lease_expires_at=func.pgtask.now() - text("interval '1 second'")
+            )
+        )
+        assert len((await conn.execute(statements.RECOVER, {"limit": 10})).all()) == 1
+
+
 async def test_a_step_runs_once_and_its_stored_value_is_replayed_by_the_retry(
     pgtask_database_url: str, pgtask_async_engine: AsyncEngine
 ) -> None:
@@ -723,13 +735,7 @@ async def test_a_stale_attempt_racing_a_fresh_one_writes_the_business_row_once(
         await wait_event(inside)
         # Attempt 1 is still inside its transaction when its lease expires and the task is
         # recovered: attempt 2 starts, runs the block and commits it.
-        async with pgtask_async_engine.begin() as conn:
-            await conn.execute(
-                update(Task).where(Task.id == task_id).values(
-                    lease_expires_at=func.pgtask.now() - text("interval '1 second'")
-                )
-            )
-            assert len((await conn.execute(statements.RECOVER, {"limit": 10})).all()) == 1
+        await expire_and_recover(pgtask_async_engine, task_id)
         row = await wait_for_state(pgtask_async_engine, task_id, timeout=PATIENCE)
         assert (row["state"], row["result"]) == ("succeeded", 2)
         release.set()  # the stale attempt now tries to commit its block
@@ -775,13 +781,7 @@ async def test_a_stale_attempt_on_a_repeatable_read_engine_ends_with_lease_lost(
     try:
         async with running_worker(registry, engine, options):
             await asyncio.wait_for(inside.wait(), PATIENCE)
-            async with pgtask_async_engine.begin() as conn:
-                await conn.execute(
-                    update(Task).where(Task.id == task_id).values(
-                        lease_expires_at=func.pgtask.now() - text("interval '1 second'")
-                    )
-                )
-                assert len((await conn.execute(statements.RECOVER, {"limit": 10})).all()) == 1
+            await expire_and_recover(pgtask_async_engine, task_id)
             row = await wait_for_state(pgtask_async_engine, task_id, timeout=PATIENCE)
             assert (row["state"], row["result"]) == ("succeeded", 2)
             release.set()
