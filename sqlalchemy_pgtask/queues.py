@@ -111,6 +111,10 @@ UNSET: Final = _Unset()
 
 #: The rate period when a rate limit is given without one: per second.
 DEFAULT_RATE_PERIOD: Final = 1.0
+#: The shortest rate period: the token refill (elapsed * limit / period) overflows a double
+#: for periods near 1e-300 s, which failed every claim of the worker with a DataError.
+RATE_PERIOD_MIN: Final = 0.001
+
 
 def _rate_period(value: object) -> float:
     if value is None:
@@ -118,8 +122,10 @@ def _rate_period(value: object) -> float:
             "rate_period", "must be a positive number of seconds or a timedelta, got None"
         )
     seconds = check_delay("rate_period", value)
-    if seconds <= 0:
-        raise InvalidOptionError("rate_period", f"must be positive, got {value!r}")
+    if seconds < RATE_PERIOD_MIN:
+        raise InvalidOptionError(
+            "rate_period", f"must be at least {RATE_PERIOD_MIN} s (a millisecond), got {value!r}"
+        )
     return seconds
 
 
@@ -197,15 +203,27 @@ def _configure(
 ) -> dict[str, Any]:
     _check_isolation(connection, values)
     queues = typing.cast(Table, Queue.__table__)
+    # Locked, so the audit's "from" values are the ones this change replaces.
+    locked = (
+        select(*(queues.c[k] for k in (*AUDITED_SETTINGS, "paused_at")))
+        .where(queues.c.name == name)
+        .with_for_update(key_share=True)  # FOR NO KEY UPDATE
+    )
     with translated_errors():
         before = None
         if values:
-            # Locked, so the audit's "from" values are the ones this change replaces.
-            before = connection.execute(
-                select(*(queues.c[k] for k in (*AUDITED_SETTINGS, "paused_at")))
-                .where(queues.c.name == name)
-                .with_for_update(key_share=True)  # FOR NO KEY UPDATE
-            ).mappings().first()
+            before = connection.execute(locked).mappings().first()
+            if before is None:
+                # No row to lock: create it first, so that two callers creating one queue
+                # take turns on its row, and the second audits against what the first wrote
+                # (both used to write a "created" entry, the second changing nothing).
+                created = connection.execute(
+                    pg_insert(queues).values(name=name)
+                    .on_conflict_do_nothing(index_elements=[queues.c.name])
+                    .returning(queues.c.name)
+                ).first()
+                if created is None:
+                    before = connection.execute(locked).mappings().one()
         row = _write(connection, name, values)
         for action, details in queue_entries(
             None if before is None else dict(before), row, set(values)
@@ -224,8 +242,10 @@ def _settings_columns() -> list[Any]:
         .where(CapacityRelease.queue == queues.c.name)
         .scalar_subquery()
     )
+    # Never below 0: a task that finished while its queue's limit was being removed leaves a
+    # release behind the reset counter (the next limit's recount deletes it).
     return [
-        (queues.c.outstanding_tasks - released).label(column)
+        func.greatest(queues.c.outstanding_tasks - released, 0).label(column)
         if column == "outstanding_tasks"
         else queues.c[column]
         for column in _COLUMNS

@@ -3,6 +3,7 @@ and reading the log a page at a time."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 from typing import Any
 
@@ -30,6 +31,7 @@ from sqlalchemy_pgtask.admin import (
 )
 from sqlalchemy_pgtask.audit import AuditRecord, audit_statement, list_audit, list_audit_async
 from sqlalchemy_pgtask.models import AuditEntry
+from tests.support.waiting import PATIENCE, wait_until
 
 
 def audit(engine: Engine, **filters: Any) -> list[AuditRecord]:
@@ -61,6 +63,45 @@ def test_pause_and_resume_are_audited_when_they_change_the_queue(pgtask_engine: 
         ("queue.resume", "emails", "bob", None, {"paused_since": paused.paused_at.isoformat()}),
         ("queue.pause", "emails", "alice", "smtp outage", None),
     ]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda c, actor: pause_queue(c, "fresh", actor=actor),
+        lambda c, actor: configure_queue(c, "fresh", rate_limit=5, actor=actor),
+    ],
+    ids=["pause", "configure"],
+)
+def test_two_callers_creating_one_queue_write_one_entry(
+    pgtask_engine: Engine, change: Any
+) -> None:
+    # With no row to lock, both read "no queue" and each wrote an entry, the second a
+    # "created" one although the first had created the queue and it changed nothing.
+    with pgtask_engine.connect() as first:
+        first.begin()
+        change(first, "alice")
+        second = threading.Thread(target=lambda: _in_transaction(pgtask_engine, change, "bob"))
+        second.start()
+        wait_until(lambda: _waiting_for_a_lock(pgtask_engine), PATIENCE,
+                   message="the second caller to wait for the first")
+        first.commit()
+    second.join(PATIENCE)
+    assert not second.is_alive()
+    assert [e.actor for e in audit(pgtask_engine)] == ["alice"]
+
+
+def _in_transaction(engine: Engine, change: Any, actor: str) -> None:
+    with engine.begin() as connection:
+        change(connection, actor)
+
+
+def _waiting_for_a_lock(engine: Engine) -> bool:
+    with engine.connect() as connection:
+        return bool(connection.scalar(text(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )))
 
 
 def test_configure_queue_records_the_settings_that_changed(pgtask_engine: Engine) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Engine, create_engine, func, select, text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.pool import NullPool
 
@@ -195,3 +196,116 @@ async def test_administrative_retry_needs_room_and_is_counted(
         await drained(pgtask_async_engine, [failing, *fillers[1:]])
     assert outstanding(pgtask_engine) == 0
     assert active_tasks(pgtask_engine) == 0
+
+
+def test_a_task_finishing_while_the_limit_is_removed_never_makes_the_count_negative(
+    pgtask_engine: Engine,
+) -> None:
+    # Removing a limit resets the counter and drops the releases it can see; a finisher that
+    # commits afterwards leaves its release behind, which list_queues subtracted (-1).
+    with pgtask_engine.begin() as connection:
+        configure_queue(connection, QUEUE, max_outstanding_tasks=CAPACITY)
+        task_id = enqueue(connection, "job", queue=QUEUE).id
+    with pgtask_engine.connect() as finisher:
+        finisher.begin()
+        assert cancel(finisher, task_id) == "cancelled"  # its release is not committed yet
+        with pgtask_engine.begin() as connection:
+            configure_queue(connection, QUEUE, max_outstanding_tasks=None)
+        finisher.commit()
+    assert outstanding(pgtask_engine) == 0
+    with pgtask_engine.begin() as connection:  # a limit again: recounted, the release dropped
+        configure_queue(connection, QUEUE, max_outstanding_tasks=CAPACITY)
+    assert outstanding(pgtask_engine) == active_tasks(pgtask_engine) == 0
+
+
+# -- transactions that keep one snapshot (REPEATABLE READ, SERIALIZABLE) ------------------------
+
+
+def serialization_failure(exc: BaseException) -> bool:
+    return isinstance(exc, DBAPIError) and getattr(exc.orig, "sqlstate", None) == "40001"
+
+
+@pytest.mark.parametrize("level", ["REPEATABLE READ", "SERIALIZABLE"])
+@pytest.mark.parametrize("queue_row", ["new", "existing"])
+def test_a_producer_whose_snapshot_predates_the_limit_must_retry(
+    pgtask_engine: Engine, level: str, queue_row: str
+) -> None:
+    # Its snapshot showed no limit (or no queue): its enqueues were neither counted nor
+    # refused, past max_outstanding_tasks, and the counter stayed below the truth for good.
+    if queue_row == "existing":
+        with pgtask_engine.begin() as connection:
+            configure_queue(connection, QUEUE, terminal_retention_seconds=60)
+    stale = pgtask_engine.execution_options(isolation_level=level)
+    with stale.connect() as producer:
+        producer.execute(text("SELECT 1"))  # the snapshot, before the limit
+        limit_queue(pgtask_engine)
+        with pytest.raises(DBAPIError) as caught:
+            enqueue(producer, "job", queue=QUEUE)
+        assert serialization_failure(caught.value)
+        producer.rollback()
+        # The retry sees the limit and is counted.
+        for _ in range(CAPACITY):
+            enqueue(producer, "job", queue=QUEUE)
+        producer.commit()
+        with pytest.raises(QueueFull):
+            enqueue(producer, "job", queue=QUEUE)
+        producer.rollback()
+    assert active_tasks(pgtask_engine) == outstanding(pgtask_engine) == CAPACITY
+
+
+def test_a_task_finished_under_a_snapshot_older_than_the_limit_gives_its_room_back(
+    pgtask_engine: Engine,
+) -> None:
+    # Its release was decided from the queue row of its snapshot (no limit yet): the recount
+    # had counted the task, nothing released it, and the empty queue refused every enqueue.
+    with pgtask_engine.begin() as connection:
+        ids = [enqueue(connection, "job", queue=QUEUE).id for _ in range(2)]
+    stale = pgtask_engine.execution_options(isolation_level="REPEATABLE READ")
+    with stale.connect() as finisher:
+        finisher.execute(text("SELECT 1"))
+        with pgtask_engine.begin() as connection:
+            configure_queue(connection, QUEUE, max_outstanding_tasks=2)
+        assert outstanding(pgtask_engine) == 2
+        for task_id in ids:
+            assert cancel(finisher, task_id) == "cancelled"
+        finisher.commit()
+    assert active_tasks(pgtask_engine) == outstanding(pgtask_engine) == 0
+    with pgtask_engine.begin() as connection:
+        for _ in range(2):
+            enqueue(connection, "job", queue=QUEUE)
+
+
+def test_producers_with_one_snapshot_each_share_an_unchanged_queue(
+    pgtask_engine: Engine,
+) -> None:
+    # The check for a queue row created since the snapshot inserts and undoes a row: two
+    # producers of a queue without one never collide on it, nor on an unlimited row.
+    stale = pgtask_engine.execution_options(isolation_level="REPEATABLE READ")
+    with stale.connect() as first, stale.connect() as second:
+        enqueue(first, "job", queue="no-row")
+        enqueue(second, "job", queue="no-row")
+        first.commit()
+        second.commit()
+    with pgtask_engine.begin() as connection:
+        configure_queue(connection, "unlimited", terminal_retention_seconds=60)
+    with stale.connect() as first, stale.connect() as second:
+        enqueue(first, "job", queue="unlimited")
+        enqueue(second, "job", queue="unlimited")
+        first.commit()
+        second.commit()
+    with pgtask_engine.connect() as connection:
+        assert [q.name for q in list_queues(connection)] == ["unlimited"]  # no row appeared
+        assert connection.scalar(select(func.count()).select_from(Task)) == 4
+
+
+def test_truncating_the_tasks_empties_every_queue(pgtask_engine: Engine) -> None:
+    limit_queue(pgtask_engine)
+    with pgtask_engine.begin() as connection:
+        for _ in range(CAPACITY):
+            enqueue(connection, "job", queue=QUEUE)
+    with pgtask_engine.begin() as connection:
+        connection.execute(text("TRUNCATE pgtask.tasks CASCADE"))
+    assert outstanding(pgtask_engine) == 0
+    with pgtask_engine.begin() as connection:
+        for _ in range(CAPACITY):
+            enqueue(connection, "job", queue=QUEUE)

@@ -249,6 +249,9 @@ def test_a_rate_limit_without_a_period_means_per_second_again(pgtask_engine: Eng
         ({"rate_limit": True}, "rate_limit"),
         ({"rate_limit": 5, "rate_period": 0}, "rate_period"),
         ({"rate_limit": 5, "rate_period": -1.0}, "rate_period"),
+        # Accepted before, and then every claim's token refill overflowed (a DataError).
+        ({"rate_limit": 5, "rate_period": 1e-300}, "rate_period"),
+        ({"rate_limit": 5, "rate_period": timedelta(microseconds=999)}, "rate_period"),
         ({"rate_limit": 5, "rate_period": float("nan")}, "rate_period"),
         ({"rate_limit": 5, "rate_period": float("inf")}, "rate_period"),
         ({"rate_limit": 5, "rate_period": None}, "rate_period"),
