@@ -169,13 +169,9 @@ PRIVILEGES: Final[Mapping[str, tuple[TableGrant, ...]]] = {
         # Retention of every queue prunes worker rows, locked like the keys.
         *_on("workers", "DELETE"),
         _columns("UPDATE", "workers", "started_at"),
-        # Settings only: the capacity counter is the triggers' business.
-        _columns(
-            "INSERT", "queues",
-            "name max_outstanding_tasks terminal_retention_seconds"
-            " idempotency_retention_seconds paused_at rate_limit rate_period_seconds"
-            " starvation_timeout_seconds",
-        ),
+        # Settings only: the capacity counter is the triggers' business. A new queue's row
+        # is created bare, then its settings are written by the UPDATE.
+        _columns("INSERT", "queues", "name"),
         _columns(
             "UPDATE", "queues",
             "max_outstanding_tasks terminal_retention_seconds idempotency_retention_seconds"

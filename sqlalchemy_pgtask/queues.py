@@ -255,26 +255,12 @@ def _settings_columns() -> list[Any]:
 def _write(connection: Connection, name: str, values: dict[str, Any]) -> dict[str, Any]:
     # The capacity counter is the database's business: a trigger recounts the outstanding
     # tasks whenever a limit is turned on, whoever writes the row (an ORM session.add too).
-    # An UPDATE first, so an existing queue never runs the INSERT's trigger (and its lock).
+    # With values, `_configure` has made sure the row exists (and locked it).
     queues = typing.cast(Table, Queue.__table__)
     if values:
-        changed = connection.execute(
-            update(queues)
-            .where(queues.c.name == name)
-            .values(**values, updated_at=NOW)
-            .returning(queues.c.name)
-        ).first()
-        if changed is None:
-            fresh = {
-                k: (NOW if k == "paused_at" else v)
-                for k, v in values.items()
-                if k != "paused_at" or v is not None
-            }
-            connection.execute(
-                pg_insert(queues).values(name=name, **fresh).on_conflict_do_update(
-                    index_elements=[queues.c.name], set_={**values, "updated_at": NOW}
-                )
-            )
+        connection.execute(
+            update(queues).where(queues.c.name == name).values(**values, updated_at=NOW)
+        )
     else:
         connection.execute(
             pg_insert(queues).values(name=name).on_conflict_do_nothing(

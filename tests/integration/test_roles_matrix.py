@@ -103,9 +103,7 @@ EXPECTED: dict[str, tuple[str, ...]] = {
         "idempotency_keys: UPDATE (created_at)",
         "workers: DELETE",
         "workers: UPDATE (started_at)",
-        "queues: INSERT (name max_outstanding_tasks terminal_retention_seconds"
-        " idempotency_retention_seconds paused_at rate_limit rate_period_seconds"
-        " starvation_timeout_seconds)",
+        "queues: INSERT (name)",  # a new queue's row is created bare, its settings updated
         "queues: UPDATE (max_outstanding_tasks terminal_retention_seconds"
         " idempotency_retention_seconds paused_at updated_at rate_limit rate_period_seconds"
         " starvation_timeout_seconds)",
