@@ -289,6 +289,12 @@ class Executor:
                 ctx.task_id, ctx.attempt, duration,
                 extra=_extra(attempt, duration_seconds=duration, outcome="lease_lost"),
             )
+        elif ctx.stop_reason == "cancelled" and outcome.kind != "release":
+            logger.info(
+                "task %s %s attempt %d ended after %.3fs, its cancellation requested; stored"
+                " as cancelled", ctx.task_id, ctx.name, ctx.attempt, duration,
+                extra=_extra(attempt, duration_seconds=duration, outcome="cancelled"),
+            )
         elif outcome.kind == "complete":
             if logger.isEnabledFor(logging.INFO):
                 logger.info(

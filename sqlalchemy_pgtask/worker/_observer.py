@@ -77,12 +77,15 @@ def describe_outcome(attempt: ActiveAttempt, outcome: Outcome | None) -> tuple[s
         return "suspended", False
     if outcome is None:
         return "lease_lost", False
-    if outcome.kind == "complete":
-        return "succeeded", False
     if outcome.kind == "release":
         return "released", False
-    if outcome.error_kind == "cancelled":
+    # The outcome statements store a cancelled task's success or failure as cancelled: say so
+    # when the worker already knows of the request (one made after its last renewal is known
+    # only to the database, and counted by what the handler did).
+    if outcome.error_kind == "cancelled" or attempt.ctx.stop_reason == "cancelled":
         return "cancelled", False
+    if outcome.kind == "complete":
+        return "succeeded", False
     ctx = attempt.ctx
     # The write retries only while failed attempts remain (as the executor's log says).
     budget_left = ctx.max_attempts is None or ctx.failed_attempts + 1 < ctx.max_attempts

@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -21,11 +22,22 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine
 
-from sqlalchemy_pgtask import InvalidOptionError, Registry, TaskContext, Worker, WorkerOptions
+from sqlalchemy_pgtask import (
+    InvalidOptionError,
+    Registry,
+    SyncTaskContext,
+    TaskContext,
+    Worker,
+    WorkerOptions,
+    cancel_async,
+)
+from sqlalchemy_pgtask.testing import running_worker
 from sqlalchemy_pgtask.testing import wait_until as wait_until_async
 from tests.support.faultproxy import FaultProxy, fault_proxy
-from tests.support.waiting import PATIENCE, wait_until
+from tests.support.tasks import add, wait_for_state
+from tests.support.waiting import PATIENCE, wait_event, wait_until
 from tests.support.workerproc import (
     Database,
     WorkerLauncher,
@@ -276,3 +288,33 @@ async def test_a_metrics_port_in_use_stops_the_worker_at_startup_with_the_addres
         worker = Worker(registry(), pgtask_database_url, WorkerOptions(metrics_port=port))
         with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
             await worker.run()
+
+
+async def test_a_success_after_a_cancel_request_is_counted_as_cancelled(
+    pgtask_database_url: str, pgtask_async_engine: AsyncEngine
+) -> None:
+    # COMPLETE stores such a task as cancelled; the metrics counted it as succeeded.
+    tasks = Registry()
+    started = threading.Event()
+
+    @tasks.task("ignores")
+    def ignores(ctx: SyncTaskContext, payload: None) -> str:
+        started.set()
+        # It notices the request (the renewal brings it) and returns a result all the same.
+        wait_until(lambda: ctx.cancelled, PATIENCE, message="the cancel request")
+        return "done anyway"
+
+    port = free_port()
+    options = WorkerOptions(metrics_port=port, lease_duration=0.6)
+    task_id = await add(pgtask_async_engine, "ignores")
+    async with running_worker(tasks, pgtask_database_url, options):
+        await wait_event(started)
+        async with pgtask_async_engine.begin() as conn:
+            await cancel_async(conn, task_id)  # running: its worker learns at its next renewal
+        row = await wait_for_state(pgtask_async_engine, task_id, timeout=PATIENCE)
+        body = await asyncio.to_thread(scrape, port)
+    assert row["state"] == "cancelled"
+    labels = {"queue": "default", "name": "ignores"}
+    assert value(body, "pgtask_tasks_succeeded_total", **labels) in (None, 0.0)
+    assert value(body, "pgtask_attempt_duration_seconds_count", outcome="cancelled",
+                 **labels) == 1.0
