@@ -60,14 +60,33 @@ def load_json(data: bytes) -> object:
     return value if end == len(text) else _DECODER.decode(text)
 
 
+#: libpq settings of the connections a worker opens from a URL, unless the URL sets them. A
+#: server that stops answering (a network partition, a host that froze) would otherwise hold
+#: a connect or a statement until the kernel gives up on the socket, about 15 minutes: the
+#: connect fails after 10 s, and an established connection whose sent data goes unacknowledged
+#: for 15 s, or that answers no keepalive probe for about 20 s while waiting, fails too; the
+#: worker's loops then reconnect as after any lost connection.
+NETWORK_DEFAULTS: Final = {
+    "connect_timeout": "10",
+    "keepalives": "1",
+    "keepalives_idle": "10",
+    "keepalives_interval": "3",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "15000",
+}
+
+
 def owned_engine(url: str | URL) -> AsyncEngine:
     """The engine a worker given a URL creates (and disposes of) for itself.
 
     An engine the application passes in keeps its own JSON deserializer: its handlers may
-    rely on it (decimals, say).
+    rely on it (decimals, say), and its own connection settings (`NETWORK_DEFAULTS` are a
+    good start for them).
     """
+    parsed = make_url(url).set(drivername="postgresql+psycopg")
     return create_async_engine(
-        make_url(url).set(drivername="postgresql+psycopg"),
+        parsed,
+        connect_args={k: v for k, v in NETWORK_DEFAULTS.items() if k not in parsed.query},
         pool_size=10,
         max_overflow=10,
         # Errors are logged; statement parameters carry task payloads and results.

@@ -8,6 +8,7 @@ that does not parse. Exit code 1 is an operational failure, 2 a usage error.
 from __future__ import annotations
 
 import secrets
+import socket
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -181,3 +182,18 @@ def test_migrate_to_an_unknown_revision_is_a_usage_error_and_installs_nothing(
             text("SELECT count(*) FROM pg_namespace WHERE nspname = 'pgtask'")
         ).scalar_one() == 0
     engine.dispose()
+
+
+def test_a_worker_whose_server_never_answers_gives_up_and_exits_1(app_dir: Path) -> None:
+    # Its connect had no time limit: the worker waited for ever (and ignored SIGTERM). The
+    # engine it makes from the URL connects with libpq's connect_timeout (10 s) now.
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(64)  # the kernel completes the handshakes; nobody ever answers
+        url = f"postgresql://nobody@127.0.0.1:{server.getsockname()[1]}/nothing"
+        result = _run(app_dir, "worker", url)
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 1, result
+    assert lines(result.stderr)[-1] == (
+        "pgtask: error: cannot reach the database: connection timeout expired"
+    )

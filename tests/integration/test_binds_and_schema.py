@@ -53,6 +53,7 @@ from sqlalchemy_pgtask import (
     wait_for_result_async,
 )
 from sqlalchemy_pgtask._connection import translated_errors
+from sqlalchemy_pgtask.worker._reconnect import NETWORK_DEFAULTS, owned_engine
 from tests.support.engines import statements_of
 
 SyncCall = Callable[[Any], object]
@@ -327,3 +328,23 @@ def test_only_missing_objects_in_schema_pgtask_mean_the_schema_is_not_installed(
         with pytest.raises(ProgrammingError) as caught:
             run(sql)
         assert not isinstance(caught.value, SchemaNotInstalled), sql
+
+
+async def test_a_worker_given_a_url_bounds_its_network_waits(pgtask_database_url: str) -> None:
+    # libpq's settings the worker adds to a URL's own: without them a server that stops
+    # answering held a connect or a statement until the kernel gave up (minutes).
+    for url, connect_timeout in (
+        (pgtask_database_url, "10"),
+        (f"{pgtask_database_url}?connect_timeout=3", "3"),  # the URL's own setting wins
+    ):
+        engine = owned_engine(url)
+        try:
+            async with engine.connect() as connection:
+                raw = await connection.get_raw_connection()
+                parameters = raw.driver_connection.info.get_parameters()  # type: ignore[union-attr]
+        finally:
+            await engine.dispose()
+        assert parameters["connect_timeout"] == connect_timeout
+        assert {k: parameters[k] for k in NETWORK_DEFAULTS if k != "connect_timeout"} == {
+            k: v for k, v in NETWORK_DEFAULTS.items() if k != "connect_timeout"
+        }
