@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from sqlalchemy_pgtask.worker._main import COLLECTOR_THRESHOLD, run
 from sqlalchemy_pgtask.worker._options import EventLoop, WorkerOptions
+from sqlalchemy_pgtask.worker._reconnect import NETWORK_DEFAULTS
 from sqlalchemy_pgtask.worker._runtime import Worker
 
-__all__ = ["COLLECTOR_THRESHOLD", "EventLoop", "Worker", "WorkerOptions", "run"]
+__all__ = ["COLLECTOR_THRESHOLD", "NETWORK_DEFAULTS", "EventLoop", "Worker", "WorkerOptions", "run"]

@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Final
 
 from sqlalchemy import URL, func, make_url, select, text
@@ -25,8 +26,8 @@ from sqlalchemy_pgtask._failures import Backoff, brief, is_transient
 from sqlalchemy_pgtask.worker._observer import NO_OBSERVER, Observer
 
 __all__ = [
-    "PLANNER_SETTINGS", "Backoff", "HeldConnection", "brief", "is_transient", "load_json",
-    "owned_engine",
+    "NETWORK_DEFAULTS", "PLANNER_SETTINGS", "Backoff", "HeldConnection", "brief",
+    "is_transient", "load_json", "owned_engine",
 ]
 
 
@@ -66,14 +67,14 @@ def load_json(data: bytes) -> object:
 #: connect fails after 10 s, and an established connection whose sent data goes unacknowledged
 #: for 15 s, or that answers no keepalive probe for about 20 s while waiting, fails too; the
 #: worker's loops then reconnect as after any lost connection.
-NETWORK_DEFAULTS: Final = {
+NETWORK_DEFAULTS: Final[Mapping[str, str]] = MappingProxyType({
     "connect_timeout": "10",
     "keepalives": "1",
     "keepalives_idle": "10",
     "keepalives_interval": "3",
     "keepalives_count": "3",
     "tcp_user_timeout": "15000",
-}
+})
 
 
 def owned_engine(url: str | URL) -> AsyncEngine:

@@ -53,7 +53,8 @@ from sqlalchemy_pgtask import (
     wait_for_result_async,
 )
 from sqlalchemy_pgtask._connection import translated_errors
-from sqlalchemy_pgtask.worker._reconnect import NETWORK_DEFAULTS, owned_engine
+from sqlalchemy_pgtask.worker import NETWORK_DEFAULTS
+from sqlalchemy_pgtask.worker._reconnect import owned_engine
 from tests.support.engines import statements_of
 
 SyncCall = Callable[[Any], object]
