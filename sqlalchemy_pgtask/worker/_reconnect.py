@@ -18,11 +18,13 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Final
 
-from sqlalchemy import URL, func, make_url, select, text
+from sqlalchemy import URL, Engine, func, make_url, select, text
+from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 # Re-exported: the worker's loops import them from here.
 from sqlalchemy_pgtask._failures import Backoff, brief, is_transient
+from sqlalchemy_pgtask.errors import InvalidOptionError
 from sqlalchemy_pgtask.worker._observer import NO_OBSERVER, Observer
 
 __all__ = [
@@ -77,14 +79,35 @@ NETWORK_DEFAULTS: Final[Mapping[str, str]] = MappingProxyType({
 })
 
 
-def owned_engine(url: str | URL) -> AsyncEngine:
+def _postgresql_url(database: object) -> URL:
+    """A worker's database URL: a PostgreSQL one (any driver named: the worker uses psycopg)."""
+    if not isinstance(database, (str, URL)):
+        raise InvalidOptionError(
+            "database",
+            f"must be a URL or an AsyncEngine, got {type(database).__name__}"
+            + (" (a worker needs an AsyncEngine)" if isinstance(database, Engine) else ""),
+        )
+    try:
+        url = make_url(database)
+    except ArgumentError as exc:
+        raise InvalidOptionError("database", f"is not a database URL: {exc}") from None
+    if url.get_backend_name() not in ("postgresql", "postgres"):  # postgres:// as Heroku writes it
+        raise InvalidOptionError(
+            "database", f"must be a PostgreSQL URL, got a {url.get_backend_name()!r} one"
+        )
+    return url
+
+
+def owned_engine(url: object) -> AsyncEngine:
     """The engine a worker given a URL creates (and disposes of) for itself.
 
     An engine the application passes in keeps its own JSON deserializer: its handlers may
     rely on it (decimals, say), and its own connection settings (`NETWORK_DEFAULTS` are a
     good start for them).
+
+    :raises InvalidOptionError: ``url`` is not a PostgreSQL URL.
     """
-    parsed = make_url(url).set(drivername="postgresql+psycopg")
+    parsed = _postgresql_url(url).set(drivername="postgresql+psycopg")
     return create_async_engine(
         parsed,
         connect_args={k: v for k, v in NETWORK_DEFAULTS.items() if k not in parsed.query},

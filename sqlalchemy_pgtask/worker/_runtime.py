@@ -80,6 +80,10 @@ class Worker:
             )
         if not len(registry):
             raise InvalidOptionError("registry", "has no handlers")
+        if options is not None and not isinstance(options, WorkerOptions):
+            raise InvalidOptionError(
+                "options", f"must be a WorkerOptions, got {type(options).__name__}"
+            )
         self.options = options or WorkerOptions()
         self.registry = registry
         self.id = uuid.uuid4()
