@@ -264,7 +264,7 @@ class Recurrence:
         while len(found) < count:
             try:
                 found.append(self.next_after(found[-1], cursor))
-            except RecurrenceError:  # the calendar ends (year 9999) before ``count`` of them
+            except RecurrenceError:  # no more of them: the calendar ends (year 9999) first
                 break
         return found[:count]
 

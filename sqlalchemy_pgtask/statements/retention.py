@@ -174,36 +174,40 @@ def _delete_finished_tasks() -> ReturningDelete[Any]:
         )
         .exists()
     )
-    # Deleting a keyed task writes its key's expiry down (tasks_idempotency_deleted): lock
-    # that reservation here, skipping the task while a producer holds it (taking the key
-    # over), so the trigger never waits for a producer nor a producer for this batch.
-    k = keys.alias("k")
-    reservation = select(k.c.key).where(
-        k.c.queue == t.c.queue, k.c.key == t.c.idempotency_key, k.c.task_id == t.c.id
-    )
-    key_free = or_(
-        t.c.idempotency_key.is_(None),
-        ~reservation.exists(),
-        reservation.with_for_update(key_share=True, skip_locked=True).exists(),
-    )
     expired = (
-        select(t.c.id)
+        select(t.c.id, t.c.queue, t.c.idempotency_key)
         .where(
             t.c.queue == policies.c.queue,
             _finished(t),
             t.c.completed_at <= NOW - seconds(policies.c.terminal_retention),
             ~has_child,
             ~parent_kept,
-            key_free,
         )
         .order_by(t.c.completed_at)
         .limit(limit)
         .with_for_update(of=t, skip_locked=True)
         .lateral("expired")
     )
+    # Deleting a keyed task writes its key's expiry down (tasks_idempotency_deleted): lock
+    # that reservation here, skipping the task while a producer holds it (taking the key
+    # over), so the trigger never waits for a producer nor a producer for this batch. Out
+    # here, after the LATERAL's LIMIT, only the chosen tasks' reservations are locked, never
+    # those of tasks kept for a child or a parent.
+    k = keys.alias("k")
+    reservation = select(k.c.key).where(
+        k.c.queue == expired.c.queue,
+        k.c.key == expired.c.idempotency_key,
+        k.c.task_id == expired.c.id,
+    )
+    key_free = or_(
+        expired.c.idempotency_key.is_(None),
+        ~reservation.exists(),
+        reservation.with_for_update(key_share=True, skip_locked=True).exists(),
+    )
     doomed = (
         select(expired.c.id)
         .select_from(policies.join(expired, true()))
+        .where(key_free)
         .order_by(policies.c.queue)
         .limit(limit)
     )

@@ -107,7 +107,7 @@ def _save_checkpoint() -> Select[Any]:
             ),
         )
         .on_conflict_do_nothing(index_elements=list(CHECKPOINT_KEY))
-        .returning(cast(checkpoints.c.value, Text).label("stored"))
+        .returning(checkpoints.c.value.label("stored"))
         .cte("saved")
     )
     return select(
@@ -120,8 +120,8 @@ def _save_checkpoint() -> Select[Any]:
 #: Stores a checkpoint (``kind``, ``value`` as JSON text) if this attempt still holds its lease
 #: and the key is free. Locks the attempt's row ``FOR SHARE`` until commit, so the attempt
 #: cannot end (nor the task be claimed again) before the write commits. Returns ``(held,
-#: saved, stored)``: ``stored`` is the value as ``jsonb`` keeps it (its text: key order,
-#: numbers and duplicate keys as a replay reads them back), NULL when nothing was saved;
+#: saved, stored)``: ``stored`` is the value as ``jsonb`` keeps it (key order and numbers as
+#: a replay reads them back, decoded as the engine decodes JSON), None when nothing was saved;
 #: ``saved`` false with ``held`` true means the key already had a value, which `CHECKPOINT`
 #: then reads (the first committed value wins). Binds `DurableParams` plus ``kind`` and
 #: ``value``.

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import logging
 import uuid
 from collections.abc import Coroutine, Mapping
@@ -197,7 +196,7 @@ class DurableAttempt:
         if not row.held:
             await self.fence_failed(suspending=False)
         if row.saved:  # as jsonb keeps it, so the first run sees what its replays will
-            stored = json.loads(row.stored)
+            stored = row.stored
         else:  # the first committed value wins (an earlier try of this very call)
             found = (await self.calls.rows(self, CHECKPOINT, self.params(key)))[0]
             if found.kind != kind:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 from collections.abc import AsyncIterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Final
@@ -29,7 +30,7 @@ from sqlalchemy_pgtask.worker._observer import NO_OBSERVER, Observer
 
 __all__ = [
     "NETWORK_DEFAULTS", "PLANNER_SETTINGS", "Backoff", "HeldConnection", "brief",
-    "is_transient", "load_json", "owned_engine",
+    "is_transient", "load_json", "network_settings", "owned_engine",
 ]
 
 
@@ -98,6 +99,16 @@ def _postgresql_url(database: object) -> URL:
     return url
 
 
+def network_settings(url: URL) -> dict[str, str]:
+    """`NETWORK_DEFAULTS` but those the URL, a service file or libpq's environment sets."""
+    if "service" in url.query or os.environ.get("PGSERVICE"):
+        return {}  # a service file may set any of them: leave them all to it
+    chosen = {k: v for k, v in NETWORK_DEFAULTS.items() if k not in url.query}
+    if os.environ.get("PGCONNECT_TIMEOUT"):
+        chosen.pop("connect_timeout", None)
+    return chosen
+
+
 def owned_engine(url: object) -> AsyncEngine:
     """The engine a worker given a URL creates (and disposes of) for itself.
 
@@ -110,7 +121,7 @@ def owned_engine(url: object) -> AsyncEngine:
     parsed = _postgresql_url(url).set(drivername="postgresql+psycopg")
     return create_async_engine(
         parsed,
-        connect_args={k: v for k, v in NETWORK_DEFAULTS.items() if k not in parsed.query},
+        connect_args=network_settings(parsed),
         pool_size=10,
         max_overflow=10,
         # Errors are logged; statement parameters carry task payloads and results.

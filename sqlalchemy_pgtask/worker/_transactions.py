@@ -15,7 +15,6 @@ result is in ``result``.
 
 from __future__ import annotations
 
-import json
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +26,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy_pgtask.durable import StepKey
 from sqlalchemy_pgtask.statements import CHECKPOINT, SAVE_CHECKPOINT
 from sqlalchemy_pgtask.validation import CHECKPOINT_MAX_BYTES, dump_json
-from sqlalchemy_pgtask.worker._reconnect import is_transient
+from sqlalchemy_pgtask.worker._reconnect import is_transient, network_settings
 
 if TYPE_CHECKING:
     from sqlalchemy_pgtask.worker._durable import DurableAttempt
@@ -50,7 +49,19 @@ class TransactionEngines:
         with self._lock:
             if self._sync is None:
                 url = self.async_engine.url.set(drivername="postgresql+psycopg")
-                self._sync = create_engine(url, hide_parameters=True, pool_pre_ping=True)
+                options: dict[str, Any] = {}
+                # Decoding JSON as the worker's engine does: a stored value reads the same
+                # on the first run (here) and on replays (there).
+                decode = getattr(self.async_engine.dialect, "_json_deserializer", None)
+                if decode is not None:
+                    options["json_deserializer"] = decode
+                self._sync = create_engine(
+                    url,
+                    connect_args=network_settings(url),
+                    hide_parameters=True,
+                    pool_pre_ping=True,
+                    **options,
+                )
             return self._sync
 
     async def close(self) -> None:
@@ -192,7 +203,7 @@ class AsyncTransactionStep(_Step):
                 raise
             self._stored(committed)
             return
-        self._stored(json.loads(row.stored))  # as jsonb keeps it, as a replay reads it
+        self._stored(row.stored)  # as jsonb keeps it, as a replay reads it
 
 
 class SyncTransactionStep(_Step):
@@ -268,4 +279,4 @@ class SyncTransactionStep(_Step):
                 raise
             self._stored(committed)
             return
-        self._stored(json.loads(row.stored))  # as jsonb keeps it, as a replay reads it
+        self._stored(row.stored)  # as jsonb keeps it, as a replay reads it

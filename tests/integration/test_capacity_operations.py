@@ -253,7 +253,7 @@ def test_a_producer_whose_snapshot_predates_the_limit_must_retry(
     assert active_tasks(pgtask_engine) == outstanding(pgtask_engine) == CAPACITY
 
 
-def test_a_task_finished_under_a_snapshot_older_than_the_limit_gives_its_room_back(
+def test_a_task_finished_under_a_snapshot_older_than_the_limit_must_retry_too(
     pgtask_engine: Engine,
 ) -> None:
     # Its release was decided from the queue row of its snapshot (no limit yet): the recount
@@ -266,13 +266,19 @@ def test_a_task_finished_under_a_snapshot_older_than_the_limit_gives_its_room_ba
         with pgtask_engine.begin() as connection:
             configure_queue(connection, QUEUE, max_outstanding_tasks=2)
         assert outstanding(pgtask_engine) == 2
-        for task_id in ids:
+        with pytest.raises(DBAPIError) as caught:
+            cancel(finisher, ids[0])
+        assert serialization_failure(caught.value)
+        finisher.rollback()
+        for task_id in ids:  # the retry sees the limit and gives the room back
             assert cancel(finisher, task_id) == "cancelled"
         finisher.commit()
     assert active_tasks(pgtask_engine) == outstanding(pgtask_engine) == 0
     with pgtask_engine.begin() as connection:
         for _ in range(2):
             enqueue(connection, "job", queue=QUEUE)
+    with pgtask_engine.connect() as connection:  # no release left behind for anyone
+        assert connection.scalar(text("SELECT count(*) FROM pgtask.capacity_releases")) == 0
 
 
 def test_producers_with_one_snapshot_each_share_an_unchanged_queue(
@@ -296,6 +302,21 @@ def test_producers_with_one_snapshot_each_share_an_unchanged_queue(
     with pgtask_engine.connect() as connection:
         assert [q.name for q in list_queues(connection)] == ["unlimited"]  # no row appeared
         assert connection.scalar(select(func.count()).select_from(Task)) == 4
+    # Each queue is checked once per transaction (a probe is a subtransaction). A backend of
+    # its own: the statistics it reads include what an earlier transaction left unflushed.
+    fresh = create_engine(pgtask_engine.url, poolclass=NullPool)
+    try:
+        with fresh.execution_options(isolation_level="REPEATABLE READ").connect() as producer:
+            for _ in range(100):
+                enqueue(producer, "job", queue="busy")
+            probes = producer.scalar(text(
+                "SELECT n_tup_ins FROM pg_stat_xact_user_tables"
+                " WHERE relid = 'pgtask.queues'::regclass"
+            ))
+            producer.commit()
+    finally:
+        fresh.dispose()
+    assert probes == 1
 
 
 def test_truncating_the_tasks_empties_every_queue(pgtask_engine: Engine) -> None:

@@ -8,10 +8,12 @@ attempt replays everything before it). Time moves with the database clock, never
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -179,6 +181,52 @@ async def test_the_first_run_sees_a_stored_value_exactly_as_its_replays_do(
         first, replay = seen[kind]
         assert first == replay, kind
         assert first[0][0] == ("a", ("float", 2.5))  # jsonb's order, not the dict's
+
+
+async def test_values_decode_with_the_engines_json_deserializer_on_every_run(
+    pgtask_async_engine: AsyncEngine,
+) -> None:
+    # The first run decoded the stored text with json.loads, replays with the engine's own
+    # deserializer: here a float on the first run, a Decimal on the replay.
+    async with pgtask_async_engine.begin() as conn:
+        await conn.run_sync(app_metadata.create_all)
+    engine = create_async_engine(
+        pgtask_async_engine.url, json_deserializer=lambda s: json.loads(s, parse_float=Decimal)
+    )
+    seen: dict[str, list[tuple[str, str]]] = {}
+    registry = Registry()
+
+    @registry.task("decimals", retry=AGAIN, max_attempts=3)
+    async def decimals(ctx: TaskContext, payload: None) -> None:
+        value = await ctx.step("value", lambda: 1.5)
+        tx = ctx.transaction("insert")
+        async with tx as session:
+            await session.execute(orders.insert().values(note="async"))
+            tx.result = 2.5
+        seen.setdefault("async", []).append((type(value).__name__, type(tx.result).__name__))
+        if ctx.attempt == 1:
+            raise RuntimeError("replay them")
+
+    @registry.task("decimals-sync", retry=AGAIN, max_attempts=3)
+    def decimals_sync(ctx: SyncTaskContext, payload: None) -> None:
+        value = ctx.step("value", lambda: 1.5)
+        tx = ctx.transaction("insert")
+        with tx as session:
+            session.execute(orders.insert().values(note="sync"))
+            tx.result = 2.5
+        seen.setdefault("sync", []).append((type(value).__name__, type(tx.result).__name__))
+        if ctx.attempt == 1:
+            raise RuntimeError("replay them")
+
+    ids = [await add(pgtask_async_engine, name) for name in ("decimals", "decimals-sync")]
+    try:
+        async with running_worker(registry, engine, OPTIONS):
+            for task_id in ids:
+                row = await wait_for_state(pgtask_async_engine, task_id, timeout=PATIENCE)
+                assert row["state"] == "succeeded", row["error"]
+    finally:
+        await engine.dispose()
+    assert seen == {kind: [("Decimal", "Decimal")] * 2 for kind in ("async", "sync")}
 
 
 async def test_sync_handlers_have_the_same_steps(

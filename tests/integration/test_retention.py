@@ -294,6 +294,29 @@ def test_a_batch_passes_over_a_task_whose_key_a_producer_is_taking_over(
         impatient.dispose()
 
 
+def test_a_batch_locks_no_reservation_of_a_task_it_keeps(pgtask_engine: Engine) -> None:
+    # The reservation lock ran on every candidate of the index range, before the child and
+    # parent checks: a batch that deleted nothing still locked (and rewrote) the keys of all
+    # the tasks it kept, and producers re-using those keys waited for it.
+    with pgtask_engine.begin() as conn:
+        configure_queue(conn, "children", terminal_retention_seconds=0)
+        (parent,) = finished(conn, age=DAY, state="failed")  # kept a week
+        finished(conn, 3, age=60, queue="children", parent=parent, key="kept")
+    with pgtask_engine.connect() as retention, pgtask_engine.connect() as producer:
+        retention.begin()
+        assert retention.execute(
+            st_retention.DELETE_FINISHED_TASKS, {"queue": None, "limit": 1000}
+        ).all() == []
+        producer.execute(text("SET lock_timeout = '100ms'"))
+        locked = producer.execute(text(
+            "SELECT key FROM pgtask.idempotency_keys WHERE queue = 'children'"
+            " ORDER BY key FOR NO KEY UPDATE"
+        )).scalars().all()
+        assert locked == ["kept-1", "kept-2", "kept-3"]
+        producer.rollback()
+        retention.rollback()
+
+
 def test_finished_key_windows_read_every_task_once_ties_included(pgtask_engine: Engine) -> None:
     # 25 tasks sharing one completion time, then 5 more: windows of 10 end on a tie group.
     with pgtask_engine.begin() as conn:

@@ -10,12 +10,13 @@ transaction set the limit (or created the queue with one) saw no limit, so its e
 neither counted nor refused (past ``max_outstanding_tasks``) and its finished tasks released
 nothing (the counter stayed high for good). Under such a snapshot now:
 
-* an enqueue or a retry calls ``pgtask.queues_current`` first, which raises a serialization
-  failure (SQLSTATE ``40001``; retry the transaction) when a queue row it involves changed or
-  appeared since the snapshot: it locks the unlimited rows ``FOR SHARE`` and probes for rows
-  it cannot see with an insert it undoes;
-* a task that finishes, or an outstanding task deleted, appends its capacity release whatever
-  the queue row shows (an unlimited queue's is dropped by the recount that turns a limit on).
+* an enqueue, a retry, a task that finishes and an outstanding task deleted call
+  ``pgtask.queues_current`` first, which raises a serialization failure (SQLSTATE ``40001``;
+  retry the transaction) when a queue row it involves changed or appeared since the
+  snapshot: it locks the unlimited rows ``FOR SHARE`` and probes for a row it cannot see with
+  an insert it undoes at once (a subtransaction). Each queue is checked once per transaction:
+  once the transaction has written to ``pgtask.tasks``, no limit can be turned on before it
+  ends (the recount waits for it).
 
 READ COMMITTED transactions (the default, and every worker statement) run as before. Also:
 
@@ -168,42 +169,21 @@ _NEW_ADMIT = _edited(_ADMIT, (
     "    END IF;\n    SELECT array_agg(locked.name)",
 ))
 
-_NEW_TERMINAL_CHANGED = _edited(
-    _TERMINAL_CHANGED,
-    (
-        "    v_notified bigint;\n",
-        "    v_notified bigint;\n"
-        "    -- One snapshot for the whole transaction: a limit set since it began is not seen.\n"
-        f"    v_every boolean := {_STALE};\n",
-    ),
-    (
-        "        -- A plain read of the queue row: it never waits for a producer holding it.\n",
-        "        -- A plain read of the queue row: it never waits for a producer holding it. Under\n"
-        "        -- an older snapshot every queue gets its release: an unlimited queue's is\n"
-        "        -- dropped by the recount that turns a limit on.\n",
-    ),
-    (
-        "SELECT q.name, count(*) FROM moved AS m JOIN pgtask.queues AS q ON q.name = m.queue\n"
-        "        WHERE m.finished AND q.max_outstanding_tasks IS NOT NULL\n"
-        "        GROUP BY q.name",
-        "SELECT m.queue, count(*) FROM moved AS m LEFT JOIN pgtask.queues AS q ON q.name = m.queue\n"
-        "        WHERE m.finished AND (v_every OR q.max_outstanding_tasks IS NOT NULL)\n"
-        "        GROUP BY m.queue",
-    ),
-)
+_NEW_TERMINAL_CHANGED = _edited(_TERMINAL_CHANGED, (
+    "    WITH moved AS MATERIALIZED (",
+    f"    IF {_STALE} THEN\n"  # noqa: S608 (constants only, as everywhere below)
+    "        -- Its snapshot may show a queue row older than a limit: check before releasing.\n"
+    "        PERFORM pgtask.queues_current(ARRAY(SELECT DISTINCT queue FROM new_rows));\n"
+    "    END IF;\n"
+    "    WITH moved AS MATERIALIZED (",
+))
 
 _NEW_CAPACITY_DELETED = _edited(_CAPACITY_DELETED, (
-    "BEGIN\n    INSERT INTO pgtask.capacity_releases (queue, released)\n"
-    "    SELECT q.name, 1 FROM pgtask.queues AS q\n"
-    "    WHERE q.name = OLD.queue AND q.max_outstanding_tasks IS NOT NULL;\n",
-    f"BEGIN\n    IF {_STALE} THEN\n"  # noqa: S608 (constants only, as everywhere below)
-    "        -- An older snapshot may miss the limit: release anyway (see terminal_changed).\n"
-    "        INSERT INTO pgtask.capacity_releases (queue, released) VALUES (OLD.queue, 1);\n"
-    "    ELSE\n"
-    "        INSERT INTO pgtask.capacity_releases (queue, released)\n"
-    "        SELECT q.name, 1 FROM pgtask.queues AS q\n"
-    "        WHERE q.name = OLD.queue AND q.max_outstanding_tasks IS NOT NULL;\n"
-    "    END IF;\n",
+    "BEGIN\n    INSERT INTO pgtask.capacity_releases",
+    f"BEGIN\n    IF {_STALE} THEN\n"
+    "        PERFORM pgtask.queues_current(ARRAY[OLD.queue]);\n"
+    "    END IF;\n"
+    "    INSERT INTO pgtask.capacity_releases",
 ))
 
 _UP = r"""
@@ -212,20 +192,30 @@ _UP = r"""
 -- Only for REPEATABLE READ and SERIALIZABLE, whose statements all read the first snapshot.
 CREATE FUNCTION pgtask.queues_current(p_queues text[]) RETURNS void LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pgtask, pg_temp AS $$
 DECLARE
+    v_checked text[] := string_to_array(nullif(current_setting('pgtask.checked_queues', true), ''), ',');
+    v_new text[];
     v_missing text;
 BEGIN
+    -- Once per queue and transaction: after its first write to pgtask.tasks, a limit cannot
+    -- be turned on (the recount waits for it to end), and the rows it locked stay locked.
+    SELECT array_agg(DISTINCT d.name ORDER BY d.name) INTO v_new
+    FROM unnest(p_queues) AS d(name)
+    WHERE v_checked IS NULL OR NOT d.name = ANY (v_checked);
+    IF v_new IS NULL THEN
+        RETURN;
+    END IF;
     -- A row changed since the snapshot cannot be locked (40001). Limited rows are left to
-    -- admit's own lock: a FOR SHARE first would deadlock two producers upgrading it.
+    -- admit's own lock: a FOR SHARE first would deadlock two producers upgrading it, and a
+    -- finisher never waits for a limited queue's row.
     PERFORM 1 FROM pgtask.queues AS q
-    WHERE q.name = ANY (p_queues) AND q.max_outstanding_tasks IS NULL
+    WHERE q.name = ANY (v_new) AND q.max_outstanding_tasks IS NULL
     ORDER BY q.name
     FOR SHARE;
     -- A row created since the snapshot is invisible, but inserting its name meets it (40001);
     -- the probe's own row is undone at once, so producers never collide on it.
     FOR v_missing IN
-        SELECT d.name FROM unnest(p_queues) AS d(name)
+        SELECT d.name FROM unnest(v_new) AS d(name)
         WHERE NOT EXISTS (SELECT FROM pgtask.queues AS q WHERE q.name = d.name)
-        ORDER BY d.name
     LOOP
         BEGIN
             INSERT INTO pgtask.queues (name) VALUES (v_missing) ON CONFLICT (name) DO NOTHING;
@@ -234,6 +224,7 @@ BEGIN
             NULL;
         END;
     END LOOP;
+    PERFORM set_config('pgtask.checked_queues', array_to_string(coalesce(v_checked, '{}') || v_new, ','), true);
 END
 $$;
 
