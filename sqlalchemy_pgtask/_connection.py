@@ -38,6 +38,7 @@ from sqlalchemy.ext.asyncio import (
 from sqlalchemy.orm import Session, scoped_session
 
 from sqlalchemy_pgtask._asyncio import bounded
+from sqlalchemy_pgtask._failures import SERIALIZATION_FAILURE
 from sqlalchemy_pgtask.errors import (
     IdempotencyConflict,
     InvalidOptionError,
@@ -207,7 +208,6 @@ def parse_task_id(value: object, field: str = "task_id") -> uuid.UUID:
 # wrote them, schema-qualified: 'relation "pgtask.tasks" does not exist'.
 _MISSING_OBJECT: Final = frozenset({"42P01", "3F000", "42883"})
 _IN_PGTASK: Final = re.compile(r'(?<![\w$.])pgtask(?:\.|")')
-_SERIALIZATION_FAILURE: Final = "40001"
 #: Raised by the capacity recount trigger outside READ COMMITTED.
 _CAPACITY_NEEDS_READ_COMMITTED: Final = "PT002"
 _FOREIGN_KEY_VIOLATION: Final = "23503"
@@ -231,7 +231,7 @@ def _translate(driver_error: BaseException | None, *, idempotent: bool) -> PgTas
         and getattr(diag, "constraint_name", None) in _TASK_REFERENCES
     ):
         return TaskNotFound(f"{TaskNotFound()} The database said: {message}.")
-    if state == _SERIALIZATION_FAILURE and idempotent:
+    if state == SERIALIZATION_FAILURE and idempotent:
         return IdempotencyConflict(f"{IdempotencyConflict()} The database said: {message}.")
     return None
 

@@ -13,7 +13,9 @@ import psycopg
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-__all__ = ["Backoff", "brief", "is_transient"]
+__all__ = [
+    "SERIALIZATION_FAILURE", "Backoff", "brief", "is_serialization_failure", "is_transient",
+]
 
 
 class Backoff:
@@ -38,6 +40,18 @@ def brief(exc: BaseException) -> str:
     cause = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
     lines = str(cause).strip().splitlines()
     return f"{type(cause).__name__}: {lines[0] if lines else ''}"
+
+
+#: A transaction that keeps one snapshot (REPEATABLE READ or SERIALIZABLE) met a row changed
+#: since: the whole transaction must be retried.
+SERIALIZATION_FAILURE: Final = "40001"
+
+
+def is_serialization_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` (SQLAlchemy's wrapper or the driver's own error) is a serialization
+    failure."""
+    cause = exc.orig if isinstance(exc, DBAPIError) else exc
+    return getattr(cause, "sqlstate", None) == SERIALIZATION_FAILURE
 
 
 #: SQLSTATEs worth retrying that psycopg does not raise as ``OperationalError``: a server

@@ -23,6 +23,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
+from sqlalchemy_pgtask._failures import is_serialization_failure
 from sqlalchemy_pgtask.durable import StepKey
 from sqlalchemy_pgtask.statements import CHECKPOINT, SAVE_CHECKPOINT
 from sqlalchemy_pgtask.validation import CHECKPOINT_MAX_BYTES, dump_json
@@ -80,13 +81,6 @@ class _ReplaySession(Session):
 
     def get_bind(self, *args: Any, **kwargs: Any) -> Any:
         raise _Refused("this transaction step was committed by an earlier attempt")
-
-
-def _stale_snapshot(exc: DBAPIError) -> bool:
-    """Whether the fence failed as a serialization failure: at REPEATABLE READ or above, an
-    attempt row changed since the block's snapshot (its attempt ended) is not skipped but
-    refused."""
-    return getattr(exc.orig, "sqlstate", None) == "40001"
 
 
 class _Step:
@@ -182,7 +176,9 @@ class AsyncTransactionStep(_Step):
         try:
             row = (await connection.execute(SAVE_CHECKPOINT, self._params(document))).one()
         except DBAPIError as exc:
-            if not _stale_snapshot(exc):
+            # At REPEATABLE READ or above, an attempt row changed since the block's
+            # snapshot (its attempt ended) is not skipped by the fence but refused.
+            if not is_serialization_failure(exc):
                 raise
             await connection.rollback()
             await runtime.fence_failed(suspending=False, unless_ours=exc)
@@ -256,7 +252,9 @@ class SyncTransactionStep(_Step):
         try:
             row = connection.execute(SAVE_CHECKPOINT, self._params(document)).one()
         except DBAPIError as exc:
-            if not _stale_snapshot(exc):
+            # At REPEATABLE READ or above, an attempt row changed since the block's
+            # snapshot (its attempt ended) is not skipped by the fence but refused.
+            if not is_serialization_failure(exc):
                 raise
             connection.rollback()
             runtime.call(runtime.fence_failed(suspending=False, unless_ours=exc))

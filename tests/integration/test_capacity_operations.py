@@ -28,6 +28,7 @@ from sqlalchemy_pgtask import (
     enqueue,
     list_queues,
 )
+from sqlalchemy_pgtask._failures import is_serialization_failure
 from sqlalchemy_pgtask.admin import retry
 from sqlalchemy_pgtask.models import AuditEntry, Task
 from sqlalchemy_pgtask.testing import running_worker
@@ -221,10 +222,6 @@ def test_a_task_finishing_while_the_limit_is_removed_never_makes_the_count_negat
 # -- transactions that keep one snapshot (REPEATABLE READ, SERIALIZABLE) ------------------------
 
 
-def serialization_failure(exc: BaseException) -> bool:
-    return isinstance(exc, DBAPIError) and getattr(exc.orig, "sqlstate", None) == "40001"
-
-
 @pytest.mark.parametrize("level", ["REPEATABLE READ", "SERIALIZABLE"])
 @pytest.mark.parametrize("queue_row", ["new", "existing"])
 def test_a_producer_whose_snapshot_predates_the_limit_must_retry(
@@ -241,7 +238,7 @@ def test_a_producer_whose_snapshot_predates_the_limit_must_retry(
         limit_queue(pgtask_engine)
         with pytest.raises(DBAPIError) as caught:
             enqueue(producer, "job", queue=QUEUE)
-        assert serialization_failure(caught.value)
+        assert is_serialization_failure(caught.value)
         producer.rollback()
         # The retry sees the limit and is counted.
         for _ in range(CAPACITY):
@@ -268,7 +265,7 @@ def test_a_task_finished_under_a_snapshot_older_than_the_limit_must_retry_too(
         assert outstanding(pgtask_engine) == 2
         with pytest.raises(DBAPIError) as caught:
             cancel(finisher, ids[0])
-        assert serialization_failure(caught.value)
+        assert is_serialization_failure(caught.value)
         finisher.rollback()
         for task_id in ids:  # the retry sees the limit and gives the room back
             assert cancel(finisher, task_id) == "cancelled"
