@@ -61,6 +61,8 @@ __all__ = [
 #: Tables an observer may be unable to read (see docs/roles.md): asked about first, so a
 #: missing privilege leaves a detail out instead of aborting the caller's transaction.
 _GUARDED: Final = ("pgtask.rate_buckets", "pgtask.audit_log")
+#: The audit actions that start and end a task's cancellation story.
+_CANCEL_OR_RETRY: Final = ("task.cancel", "task.retry")
 
 
 @dataclass(frozen=True)
@@ -261,13 +263,18 @@ def _running(connection: Connection, task: Any) -> RunningFacts:
 
 
 def _cancel_entry(connection: Connection, task_id: uuid.UUID) -> tuple[str | None, str | None]:
+    # A ``task.retry`` after the latest ``task.cancel`` began a new life of the task: that
+    # cancel entry is about an earlier one, and this cancellation was nobody's call by hand
+    # (an ancestor's end, a parent's wait timeout, lease recovery).
     entry = connection.execute(
-        select(AuditEntry.actor, AuditEntry.reason)
-        .where(AuditEntry.task_id == task_id, AuditEntry.action == "task.cancel")
+        select(AuditEntry.action, AuditEntry.actor, AuditEntry.reason)
+        .where(AuditEntry.task_id == task_id, AuditEntry.action.in_(_CANCEL_OR_RETRY))
         .order_by(AuditEntry.id.desc())
         .limit(1)
     ).first()
-    return (None, None) if entry is None else (entry.actor, entry.reason)
+    if entry is None or entry.action != "task.cancel":
+        return None, None
+    return entry.actor, entry.reason
 
 
 def _pending(connection: Connection, task: Any) -> dict[str, Any]:

@@ -180,6 +180,11 @@ def _terminal(facts: Facts) -> Reason:
         error = task.error or {}
         if error.get("reason") == "ancestor_finished":
             why = f" because its ancestor {error.get('ancestor_id')} finished first"
+        elif error.get("reason") == "result_wait_timeout":
+            why = (
+                f" because task {error.get('waiter_id')} gave up waiting for it (a "
+                "`wait_for_result` timeout cancels the child's whole subtree)"
+            )
         else:
             why = _audit_text(facts.cancel_actor, facts.cancel_reason)
         message = (
@@ -202,18 +207,19 @@ def _running(facts: Facts) -> Reason:
         where += f" ({running.hostname}, pid {running.pid})"
     since = "" if running.started_at is None else f" since {when(running.started_at)}"
     parts = [f"it is running on {where}{since}, attempt {task.attempt}"]
-    if task.lease_expires_at > now:
+    expired = task.lease_expires_at <= now
+    if not expired:
         parts.append(f"its lease runs until {_at(task.lease_expires_at, now)}")
     else:
         parts.append(
             f"but its lease expired at {_at(task.lease_expires_at, now)}: the worker is gone "
-            "or stalled, and lease recovery will make the task pending again"
+            f"or stalled, and {_recovery(task)}"
         )
     if not running.worker_alive:
         parts.append("that worker has no live registration (no recent heartbeat)")
     if running.deadline_at is not None:
         parts.append(f"its time limit ends at {_at(running.deadline_at, now)}")
-    if task.cancel_requested_at is not None:
+    if task.cancel_requested_at is not None and not expired:
         parts.append(
             f"cancellation was requested at {when(task.cancel_requested_at)}: the worker "
             "stops it and it ends cancelled"
@@ -222,6 +228,23 @@ def _running(facts: Facts) -> Reason:
         "running", "; ".join(parts), since=running.started_at, until=task.lease_expires_at,
         worker_id=task.lease_owner,
     )
+
+
+def _recovery(task: Any) -> str:
+    """What lease recovery does with a running task whose lease expired, as `RECOVER`
+    (``statements.lease.recover_from``) decides it: the lost attempt counts as failed."""
+    if task.cancel_requested_at is not None:
+        return (
+            f"lease recovery will cancel the task (cancellation was requested at "
+            f"{when(task.cancel_requested_at)})"
+        )
+    if task.max_attempts is None or task.failed_attempts + 1 >= task.max_attempts:
+        budget = "" if task.max_attempts is None else f" of {task.max_attempts} allowed"
+        return (
+            f"lease recovery will fail the task: the lost attempt {task.attempt} counts as "
+            f"failed, and it has no attempt left{budget}"
+        )
+    return "lease recovery will make the task pending again"
 
 
 def _timeout(deadline: datetime | None, now: datetime) -> str:
