@@ -3,7 +3,10 @@
 It runs on the worker's own event loop, on purpose: a loop that is blocked (a handler that
 never yields) cannot answer, so the liveness probe fails exactly when the worker cannot work.
 Each request is read with a deadline and a size limit and answered once (``Connection:
-close``); nothing a client sends can make it wait for long or hold much memory.
+close``); nothing a client sends can make it wait for long or hold much memory. At most
+`_MAX_CLIENTS` connections are held at a time: a new one closes the oldest, so clients that
+connect and send nothing can never use up the process's file descriptors (which the worker
+needs for its database connections), and a probe that sends its request at once is answered.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ _REASONS: Final = {
 #: The longest a client may take to send its request, and the most it may send.
 _READ_TIMEOUT: Final = 5.0
 _HEAD_LIMIT: Final = 16 * 1024
+#: Connections held at once; probes and scrapes need a few.
+_MAX_CLIENTS: Final = 32
 
 
 class ProbeServer:
@@ -42,7 +47,11 @@ class ProbeServer:
         self.port = port
         self._routes = dict(routes)
         self._server: asyncio.Server | None = None
-        self._clients: set[asyncio.Task[None]] = set()
+        #: The connections being served and their writers, oldest first (a dict keeps
+        #: insertion order).
+        self._clients: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        #: Connections closed to make room, until their task has ended.
+        self._evicted: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         """Listen; ``port`` 0 takes a free port, and `port` then tells which.
@@ -64,16 +73,28 @@ class ProbeServer:
         if server is None:
             return
         server.close()
-        for client in list(self._clients):
+        for writer in self._clients.values():
+            writer.close()  # a task cancelled before it started never reaches its own close
+        clients = [*self._clients, *self._evicted]
+        for client in clients:
             client.cancel()
-        await asyncio.gather(*self._clients, return_exceptions=True)
+        await asyncio.gather(*clients, return_exceptions=True)
         with contextlib.suppress(Exception):
             await bounded(server.wait_closed(), _READ_TIMEOUT)
 
     def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._clients) >= _MAX_CLIENTS:
+            oldest = next(iter(self._clients))
+            self._clients.pop(oldest).close()  # here: a task not started yet never would
+            self._evicted.add(oldest)
+            oldest.add_done_callback(self._evicted.discard)
+            oldest.cancel()
         client = asyncio.ensure_future(self._serve(reader, writer))
-        self._clients.add(client)
-        client.add_done_callback(self._clients.discard)
+        self._clients[client] = writer
+        client.add_done_callback(self._ended)
+
+    def _ended(self, client: asyncio.Task[None]) -> None:
+        self._clients.pop(client, None)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 
 from sqlalchemy_pgtask import statements
@@ -47,6 +48,10 @@ class LeaseKeeper:
         self._book = book
         self._executor = executor
         self._lease = lease_seconds
+        #: Attempts already stopped (and counted) for a lost lease: their handler may run on
+        #: for a while (a synchronous one that ignores its stop request), and each renewal
+        #: round finds the lease missing again.
+        self._lost: weakref.WeakSet[ActiveAttempt] = weakref.WeakSet()
 
     async def renew_loop(self) -> None:
         interval = self._lease / 3
@@ -99,9 +104,10 @@ class LeaseKeeper:
                 )
             elif (
                 not attempt.settled
-                and attempt.ctx.stop_reason != "lease_lost"  # said once, not every round
+                and attempt not in self._lost  # said and counted once, not every round
                 and self._book.active.get(attempt.task_id) is attempt
             ):
+                self._lost.add(attempt)
                 logger.warning(
                     "task %s attempt %d lost its lease; stopping its handler",
                     attempt.task_id, attempt.lease.attempt,
