@@ -9,7 +9,8 @@ The four levels, each the privileges of the library calls that level makes and n
   steps, sleeps, signal and child waits, spawns, wait timeouts, worker rows, schedules,
   retention, rate-limit buckets);
 * **observer**: reads what ``pgtask status``, ``task list|show``, ``queue list``, the schedule
-  list and the audit log show; writes nothing;
+  list, the audit log and the read-only dashboard (its search by idempotency key included)
+  show; writes nothing;
 * **admin**: cancels and retries tasks, pauses, resumes and configures queues, manages
   schedules, runs retention, reads what the observer reads; appends to the audit log (which
   nobody can change: its trigger refuses UPDATE, DELETE and TRUNCATE).
@@ -82,10 +83,11 @@ _ENQUEUED: Final = (
     " idempotency_key"
 )
 
-#: The tables every read model reads (status, task detail, queue list, schedules, audit).
+#: The tables every read model reads (status, task detail, queue list, schedules, audit, and
+#: the dashboard's task search by idempotency key).
 _READ: Final = (
     "tasks", "attempts", "checkpoints", "waits", "workers", "worker_capabilities", "queues",
-    "capacity_releases", "schedules", "audit_log",
+    "capacity_releases", "schedules", "audit_log", "idempotency_keys",
 )
 
 #: Retention locks the keys it deletes (``FOR UPDATE SKIP LOCKED``), which PostgreSQL allows
@@ -164,7 +166,7 @@ PRIVILEGES: Final[Mapping[str, tuple[TableGrant, ...]]] = {
         ),
         # Retention.
         *_on("tasks", "DELETE"),
-        *_on("idempotency_keys", "SELECT", "DELETE"),
+        *_on("idempotency_keys", "DELETE"),
         _KEY_LOCK,
         # Retention of every queue prunes worker rows, locked like the keys.
         *_on("workers", "DELETE"),

@@ -19,10 +19,20 @@ __all__ = ["demo", "init_alembic", "load_registry", "migrate", "worker"]
 
 
 def migrate(args: argparse.Namespace) -> int:
-    from sqlalchemy_pgtask.migrations import upgrade
+    from sqlalchemy import create_engine
 
-    upgrade(database_url(args), args.revision)
-    print(f"pgtask schema is at {args.revision}")
+    from sqlalchemy_pgtask.migrations import current_revision, upgrade
+
+    engine = create_engine(database_url(args))
+    try:
+        upgrade(engine, args.revision)
+        # What the database records, not the target asked for: an upgrade never goes back,
+        # so a target older than the applied revision changes nothing.
+        with engine.connect() as connection:
+            applied = current_revision(connection)
+    finally:
+        engine.dispose()
+    print(f"pgtask schema is at {applied}")
     return EXIT_OK
 
 

@@ -29,7 +29,7 @@ _READ = tuple(
     f"{table}: SELECT"
     for table in (
         "tasks", "attempts", "checkpoints", "waits", "workers", "worker_capabilities", "queues",
-        "capacity_releases", "schedules", "audit_log",
+        "capacity_releases", "schedules", "audit_log", "idempotency_keys",
     )
 )
 
@@ -98,7 +98,6 @@ EXPECTED: dict[str, tuple[str, ...]] = {
         "tasks: UPDATE (state run_at failed_attempts cancel_requested_at result error"
         " completed_at updated_at lease_token lease_owner lease_expires_at)",
         "tasks: DELETE",
-        "idempotency_keys: SELECT",
         "idempotency_keys: DELETE",
         "idempotency_keys: UPDATE (created_at)",
         "workers: DELETE",

@@ -65,6 +65,7 @@ from sqlalchemy_pgtask import (
     status,
 )
 from sqlalchemy_pgtask.audit import list_audit
+from sqlalchemy_pgtask.dashboard._task_list import TaskFilters, task_page
 from sqlalchemy_pgtask.grants import LEVELS, grant_roles
 from sqlalchemy_pgtask.models import Schedule
 from sqlalchemy_pgtask.schedule import write_declared
@@ -530,6 +531,8 @@ OBSERVER_JOB: Final[list[tuple[str, Action]]] = [
     ("list queues", lambda c, f: list_queues(c)),
     ("list audit", lambda c, f: list_audit(c)),
     ("list schedules", lambda c, f: schedule.list_schedules(c)),
+    ("dashboard task search by idempotency key", lambda c, f: task_page(
+        c, TaskFilters(search=EXPIRED_KEY), limit=10, after=None)),
 ]
 
 # admin
