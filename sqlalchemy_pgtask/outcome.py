@@ -22,9 +22,14 @@ from typing import Any, Final, Literal
 
 from sqlalchemy_pgtask.context import StopReason
 from sqlalchemy_pgtask.control import Fail, LeaseLost, Retry, TaskCancelled
-from sqlalchemy_pgtask.errors import PayloadError
+from sqlalchemy_pgtask.errors import InvalidOptionError, PayloadError
 from sqlalchemy_pgtask.retry import RetryPolicy
-from sqlalchemy_pgtask.validation import ERROR_MAX_BYTES, RESULT_MAX_BYTES, dump_json
+from sqlalchemy_pgtask.validation import (
+    ERROR_MAX_BYTES,
+    RESULT_MAX_BYTES,
+    check_delay,
+    dump_json,
+)
 
 __all__ = [
     "ErrorKind",
@@ -106,7 +111,8 @@ def error_document(kind: str, exc: BaseException | None = None, **fields: Any) -
     if exc is not None:
         raw_message, raw_tb = _describe(exc)
         message, cut = _clean(raw_message, _MESSAGE_MAX_CHARS)
-        document["exception"] = _qualified_name(type(exc))
+        # A class's __module__ and __qualname__ are any str (NUL and lone surrogates included).
+        document["exception"] = _clean(_qualified_name(type(exc)), 1024)[0]
         document["message"] = message
         if cut:
             document["message_truncated"] = True
@@ -141,6 +147,27 @@ def result_document(value: object) -> tuple[str | None, str | None]:
         return dump_json("result", value, RESULT_MAX_BYTES), None
     except PayloadError as exc:
         return None, error_document("result_rejected", reason=exc.reason)
+    except Exception as exc:
+        # Serialising runs the value's own code (a collection's __iter__ or items()), and
+        # the NUL scan recurses where the C encoder did not: whatever it raises, the attempt
+        # must still end with a written outcome, not leave its task running until the lease
+        # expires.
+        return None, error_document(
+            "result_rejected", reason=f"could not be serialised: {one_line(exc)}"
+        )
+
+
+def _requested_delay(retry: Retry) -> float | None:
+    """``retry``'s own delay, checked again: a subclass may skip `Retry.__init__` (no
+    ``delay`` at all) or set its own (a timedelta, a negative number). An unusable one means
+    the policy's delay, rather than an outcome that cannot be written."""
+    delay = getattr(retry, "delay", None)
+    if delay is None:
+        return None
+    try:
+        return check_delay("delay", delay)
+    except InvalidOptionError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -207,7 +234,7 @@ def decide(
     if isinstance(raised, Fail):
         return _failure("fail", raised)
     if isinstance(raised, Retry):
-        delay = raised.delay
+        delay = _requested_delay(raised)
         if delay is None:
             # An explicit Retry retries even under a "never" policy: at once.
             delay = policy.delay(failed_attempts + 1, rng) or 0.0

@@ -91,6 +91,10 @@ class TaskDefinition(Generic[PayloadT, ResultT]):
     is_async: bool = field(init=False)
 
     def __post_init__(self) -> None:
+        # Seconds as a float, whatever form it came in (an int, a timedelta): the worker binds
+        # every handler's limit in one float array, where one int or timedelta fails the
+        # claim of every handler.
+        object.__setattr__(self, "timeout", check_time_limit("timeout", self.timeout))
         call = getattr(self.handler, "__call__", None)  # noqa: B004 - an async __call__ counts
         is_async = inspect.iscoroutinefunction(self.handler) or inspect.iscoroutinefunction(call)
         object.__setattr__(self, "is_async", is_async)

@@ -80,7 +80,11 @@ class RetryPolicy:
         if self.factor is not None:
             if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)):
                 raise InvalidOptionError("retry.factor", "must be a number")
-            object.__setattr__(self, "factor", float(self.factor))
+            try:
+                factor = float(self.factor)
+            except OverflowError:  # an int beyond any float: as refused as an infinite one
+                factor = math.inf if self.factor > 0 else -math.inf
+            object.__setattr__(self, "factor", factor)
         # Stored in a boolean column and compared for conflicts: 'no' must not mean True.
         if not isinstance(self.jitter, bool):
             raise InvalidOptionError(
@@ -98,7 +102,9 @@ class RetryPolicy:
                     "retry", "an 'exponential' policy needs base_seconds, factor and max_seconds"
                 )
             if not (math.isfinite(self.factor) and self.factor >= 1):
-                raise InvalidOptionError("retry.factor", f"must be >= 1, got {self.factor!r}")
+                raise InvalidOptionError(
+                    "retry.factor", f"must be finite and >= 1, got {self.factor!r}"
+                )
             if self.max_seconds < self.base_seconds:
                 raise InvalidOptionError("retry.max", "must not be smaller than base")
         else:

@@ -274,7 +274,14 @@ def dump_json(field: str, value: object, max_bytes: int) -> str:
         return scalar
     # Only a JSON escape can put NUL in the text, so the walk runs only when it is needed.
     if "\\u0000" in text:
-        where = find_nul(value, field)
+        try:
+            where = find_nul(value, field)
+        except RecursionError as exc:
+            # The walk takes a Python frame per level where the C encoder took none, so a
+            # value the encoder could write may still be too deep for it.
+            raise PayloadError(
+                field, "contains a NUL character, nested too deeply to say where"
+            ) from exc
         if where is not None:
             raise PayloadError(field, f"contains a NUL character at {where}")
     surrogate: UnicodeEncodeError | None = None

@@ -154,3 +154,30 @@ def test_base_exceptions_from_a_handler_are_failures_too(exc: BaseException) -> 
     outcome = run(raised=exc)
     assert outcome is not None
     assert (outcome.kind, outcome.error_kind) == ("fail", "handler_error")
+
+
+class RateLimited(Retry):
+    """A Retry subclass that never calls ``Retry.__init__``: it has no ``delay``."""
+
+    def __init__(self, retry_after: float) -> None:
+        self.retry_after = retry_after
+
+
+class ExactRetry(Retry):
+    def __init__(self, delay: object) -> None:
+        super().__init__("again")
+        self.delay = delay  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize(
+    ("raised", "delay"),
+    [(RateLimited(3.0), 5.0), (ExactRetry(-1.0), 5.0), (ExactRetry(float("inf")), 5.0),
+     (ExactRetry("soon"), 5.0), (ExactRetry(12), 12.0)],
+    ids=["no-init", "negative", "infinite", "not-a-number", "int"],
+)
+def test_a_retry_subclass_delay_is_checked_and_falls_back_to_the_policy(
+    raised: Retry, delay: float
+) -> None:
+    outcome = run(raised=raised)
+    assert outcome is not None
+    assert (outcome.kind, outcome.error_kind, outcome.delay) == ("fail", "retry", delay)

@@ -8,6 +8,7 @@ unpaired surrogates included) is proven against a real server in
 from __future__ import annotations
 
 import json
+import sys
 import traceback
 from decimal import Decimal
 from typing import Any
@@ -240,3 +241,45 @@ def test_an_exception_whose_str_fails_still_yields_an_error_document() -> None:
     document = json.loads(document_text)
     assert document["exception"] == f"{__name__}.UnprintableError"
     assert "traceback" in document
+
+
+class ExplodingList(list[int]):
+    """A list whose iteration raises (a lazy collection that can no longer load)."""
+
+    def __iter__(self) -> Any:
+        raise RuntimeError("the collection can no longer load")
+
+
+def test_a_result_whose_serialisation_raises_is_rejected_not_raised() -> None:
+    document = rejected({"items": ExplodingList([1, 2])})
+    assert "RuntimeError: the collection can no longer load" in document["reason"]
+
+
+def test_a_result_with_a_nul_at_any_depth_is_rejected_not_raised() -> None:
+    # The NUL scan takes a Python frame per level where the C encoder takes none (on Python
+    # 3.12+ the encoder nests deeper still): a result just shallow enough to encode made the
+    # scan raise RecursionError, and the attempt ended with no outcome written. Every depth
+    # around the recursion limit is tried, wherever this test's own stack puts the window.
+    limit = sys.getrecursionlimit()
+    value: object = "\x00"
+    for depth in range(1, limit + 50):
+        value = [value]
+        if depth >= limit - 200:
+            assert "NUL" in rejected(value)["reason"] or "deep" in rejected(value)["reason"]
+
+
+@pytest.mark.parametrize("module", ["generated\x00module", "generated\udc80module"],
+                         ids=["nul", "lone-surrogate"])
+def test_an_exception_class_with_an_unencodable_module_name_yields_a_jsonb_safe_document(
+    module: str,
+) -> None:
+    class Oddly(Exception):
+        pass
+
+    Oddly.__module__ = module
+    document_text = error_document("handler_error", raised(Oddly("fine")))
+    jsonb_safe(document_text)
+    document = json.loads(document_text)
+    assert document["exception"].startswith("generated\\")
+    assert document["exception"].endswith("Oddly")
+    assert document["message"] == "fine"

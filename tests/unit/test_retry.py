@@ -167,7 +167,10 @@ def test_without_jitter_the_delay_is_exactly_the_ceiling(
 # -- validation ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("factor", [0.5, 0.0, -2.0, math.nan, math.inf])
+@pytest.mark.parametrize(
+    "factor", [0.5, 0.0, -2.0, math.nan, math.inf, 2**1100, -(2**1100)],
+    ids=["half", "zero", "negative", "nan", "inf", "int-beyond-float", "negative-int-beyond-float"],
+)
 def test_exponential_factor_must_be_finite_and_at_least_one(factor: float) -> None:
     with pytest.raises(InvalidOptionError) as caught:
         RetryPolicy.exponential(base=1.0, factor=factor, max=10.0)

@@ -145,6 +145,20 @@ def test_nul_characters_are_rejected_with_their_location(value: object) -> None:
         dump_json("payload", value, PAYLOAD_MAX_BYTES)
 
 
+def test_a_nul_at_any_depth_is_a_payload_error_never_a_recursion_error() -> None:
+    # The NUL walk takes a Python frame per level where the C encoder takes none: a value just
+    # shallow enough to encode raised a bare RecursionError from the walk. Every depth around
+    # the recursion limit is tried, wherever this test's own stack puts the window.
+    limit = sys.getrecursionlimit()
+    value: object = "\x00"
+    for depth in range(1, limit + 50):
+        value = [value]
+        if depth < limit - 200:
+            continue
+        with pytest.raises(PayloadError, match=r"NUL|nested too deeply"):
+            dump_json("payload", value, PAYLOAD_MAX_BYTES)
+
+
 def test_an_escaped_backslash_before_u0000_is_not_a_nul() -> None:
     assert dump_json("payload", "\\u0000", 100) == '"\\\\u0000"'
 
