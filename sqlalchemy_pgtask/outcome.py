@@ -207,8 +207,41 @@ def decide(
     says the worker cancelled the handler's coroutine itself (so a `CancelledError` is the
     worker's doing, not the handler's). ``failed_attempts`` counts the attempts that failed
     before this one. None means write nothing: the lease is gone, and with it the right to
-    write.
+    write. It never raises: deciding runs the handler's own code (its exception's ``__str__``,
+    a `Retry` subclass's ``delay``, a result's ``__iter__``), and whatever that raises, the
+    attempt still ends with a written outcome instead of holding its task until the lease
+    expires: a ``handler_error`` retried by policy.
     """
+    try:
+        return _decide(
+            returned=returned, raised=raised, stop=stop, stopped_by_worker=stopped_by_worker,
+            policy=policy, failed_attempts=failed_attempts, non_retryable=non_retryable,
+            rng=rng,
+        )
+    except Exception:
+        # Nothing of the failure itself goes into the document: reading it may raise again.
+        return Outcome(
+            "fail",
+            error_document(
+                "handler_error", reason="the handler's outcome could not be read (its "
+                "exception or its return value raised while being described)",
+            ),
+            policy.delay(failed_attempts + 1, rng),
+            "handler_error",
+        )
+
+
+def _decide(
+    *,
+    returned: object,
+    raised: BaseException | None,
+    stop: StopReason | None,
+    stopped_by_worker: bool,
+    policy: RetryPolicy,
+    failed_attempts: int,
+    non_retryable: tuple[type[BaseException], ...],
+    rng: random.Random | None,
+) -> Outcome | None:
     if stop == "lease_lost":
         return None
     if stop == "timeout" and not isinstance(raised, LeaseLost):

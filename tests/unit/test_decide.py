@@ -181,3 +181,31 @@ def test_a_retry_subclass_delay_is_checked_and_falls_back_to_the_policy(
     outcome = run(raised=raised)
     assert outcome is not None
     assert (outcome.kind, outcome.error_kind, outcome.delay) == ("fail", "retry", delay)
+
+
+class UnreadableDelay(Retry):
+    def __init__(self) -> None:
+        Exception.__init__(self, "later")  # Retry.__init__ would set the delay
+
+    @property
+    def delay(self) -> float:  # type: ignore[override]
+        raise RuntimeError("the rate limiter is gone")
+
+
+class UnprintableMessage(Exception):
+    def __str__(self) -> str:
+        raise LookupError("no translation for this message")
+
+
+@pytest.mark.parametrize(
+    "raised", [UnreadableDelay(), UnprintableMessage()], ids=["retry-delay", "message"]
+)
+def test_an_outcome_that_cannot_be_read_is_a_handler_error_retried_by_policy(
+    raised: BaseException,
+) -> None:
+    # Reading the outcome runs the handler's own code; what that raises escaped decide(), and
+    # the worker wrote nothing: the task stayed running until its lease expired.
+    outcome = run(raised=raised)
+    assert outcome is not None
+    assert (outcome.kind, outcome.error_kind, outcome.delay) == ("fail", "handler_error", 5.0)
+    assert document(outcome)["type"] == "handler_error"
