@@ -314,6 +314,7 @@ def _run_cluster(bindir: Path, tmp: Path, run_as: _RunAs | None) -> Iterator[int
             env=env,
             timeout=120,
             check=False,
+            start_new_session=True,  # see the server below
             preexec_fn=_die_with_parent_hook(),
             user=run_as.uid if run_as else None,
             group=run_as.gid if run_as else None,
@@ -337,6 +338,10 @@ def _run_cluster(bindir: Path, tmp: Path, run_as: _RunAs | None) -> Iterator[int
                 stderr=subprocess.STDOUT,
                 cwd=tmp,
                 env=env,
+                # Out of our process group: a terminal's Ctrl-C (SIGINT to the whole foreground
+                # group) would otherwise shut the server down under us, before our teardown
+                # could drop its databases. We stop it ourselves; PDEATHSIG covers our death.
+                start_new_session=True,
                 preexec_fn=_die_with_parent_hook(),
                 user=run_as.uid if run_as else None,
                 group=run_as.gid if run_as else None,

@@ -10,14 +10,24 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
-from sqlalchemy import create_engine, func, or_, select, tuple_
+from sqlalchemy import (
+    ColumnElement,
+    SQLColumnExpression,
+    and_,
+    create_engine,
+    exists,
+    func,
+    or_,
+    select,
+    tuple_,
+)
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from sqlalchemy_pgtask._asyncio import bounded
-from sqlalchemy_pgtask.models import Task
+from sqlalchemy_pgtask.models import Schedule, Task, Wait
 from sqlalchemy_pgtask.registry import Registry
 from sqlalchemy_pgtask.statements import NOW
-from sqlalchemy_pgtask.states import PENDING, RUNNING
+from sqlalchemy_pgtask.states import PENDING, RUNNING, WAITING
 from sqlalchemy_pgtask.worker import Worker, WorkerOptions
 
 __all__ = ["drain", "running_worker", "wait_until"]
@@ -86,9 +96,12 @@ async def drain(
     *,
     timeout: float = 30.0,
 ) -> None:
-    """Run a worker until its queues have no due pending task and nothing running.
+    """Run a worker until its queues have nothing due and nothing running.
 
-    Tasks scheduled in the future, and tasks no registered handler can run, are left alone.
+    Due, as a real worker sees it: a pending task whose time has come, a waiting task whose
+    wait has timed out, and an unpaused schedule whose next occurrence has come (the worker's
+    maintenance passes make those two pending). Tasks scheduled in the future, waits still
+    waiting, and tasks no registered handler can run are left alone.
 
     :raises TimeoutError: work was still due or running after ``timeout`` seconds.
     """
@@ -96,28 +109,52 @@ async def drain(
     identities = [(d.queue, d.name, d.version) for d in registry]
     try:
         async with running_worker(registry, database_url, options) as worker:
+            queues = worker.queues
+
+            def runnable(
+                queue: SQLColumnExpression[str],
+                name: SQLColumnExpression[str],
+                version: SQLColumnExpression[int],
+            ) -> ColumnElement[bool]:
+                return and_(queue.in_(queues), tuple_(queue, name, version).in_(identities))
+
+            due_tasks = (
+                select(func.count())
+                .select_from(Task)
+                .where(
+                    Task.queue.in_(queues),
+                    or_(
+                        Task.state == RUNNING,
+                        runnable(Task.queue, Task.name, Task.version)
+                        & or_(
+                            (Task.state == PENDING) & (Task.run_at <= NOW),
+                            (Task.state == WAITING)
+                            & exists().where(Wait.task_id == Task.id, Wait.timeout_at <= NOW),
+                        ),
+                    ),
+                )
+                .scalar_subquery()
+            )
+            due_schedules = (
+                select(func.count())
+                .select_from(Schedule)
+                .where(
+                    runnable(Schedule.queue, Schedule.task_name, Schedule.version),
+                    Schedule.paused_at.is_(None),
+                    Schedule.next_run_at <= NOW,
+                )
+                .scalar_subquery()
+            )
 
             def left() -> int:
                 with engine.connect() as connection:
-                    return int(
-                        connection.execute(
-                            select(func.count()).select_from(Task).where(
-                                Task.queue.in_(worker.queues),
-                                or_(
-                                    Task.state == RUNNING,
-                                    (Task.state == PENDING)
-                                    & (Task.run_at <= NOW)
-                                    & tuple_(Task.queue, Task.name, Task.version).in_(identities),
-                                ),
-                            )
-                        ).scalar_one()
-                    )
+                    return int(connection.execute(select(due_tasks + due_schedules)).scalar_one())
 
             def done() -> bool:
                 return not left() and not worker.active_count
 
             await bounded(
-                wait_until(done, timeout, message="due or running tasks to finish"), timeout + 5
+                wait_until(done, timeout, message="due or running work to finish"), timeout + 5
             )
     finally:
         engine.dispose()
