@@ -27,8 +27,10 @@ URL_ENV: Final = "PGTASK_DATABASE_URL"
 
 _T = TypeVar("_T")
 
-#: The password of a URL that did not parse (so SQLAlchemy cannot hide it for us).
-_PASSWORD: Final = re.compile(r"(://[^:/@]*:)[^@/]*@")
+#: The password of a URL that did not parse (so SQLAlchemy cannot hide it for us): all up to
+#: the last ``@``, since an unencoded password may hold ``/`` or ``@`` itself (a base64 one
+#: often does). Hiding too much of a broken URL is harmless; echoing part of a password is not.
+_PASSWORD: Final = re.compile(r"(://[^:/@]*:).*@")
 
 
 def _redacted(raw: str) -> str:

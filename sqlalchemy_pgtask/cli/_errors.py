@@ -20,12 +20,22 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from sqlalchemy_pgtask import PgTaskError, ValidationError
 
-__all__ = ["EXIT_FAILURE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "UsageError", "describe"]
+__all__ = [
+    "EXIT_FAILURE",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_OUTPUT_CLOSED",
+    "EXIT_USAGE",
+    "UsageError",
+    "describe",
+]
 
 EXIT_OK: Final = 0
 EXIT_FAILURE: Final = 1
 EXIT_USAGE: Final = 2
 EXIT_INTERRUPTED: Final = 130
+#: 128 + SIGPIPE: what a shell reports for a command whose reader went away (``| head -1``).
+EXIT_OUTPUT_CLOSED: Final = 141
 
 _SCHEMA_HINT: Final = (
     "the pgtask schema looks incomplete or out of date: run `pgtask migrate` or "

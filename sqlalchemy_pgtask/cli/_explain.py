@@ -19,7 +19,7 @@ from sqlalchemy import Connection
 from sqlalchemy_pgtask import status
 from sqlalchemy_pgtask.cli._connection import in_transaction
 from sqlalchemy_pgtask.cli._errors import EXIT_OK
-from sqlalchemy_pgtask.cli._render import json_default
+from sqlalchemy_pgtask.cli._render import json_default, printable
 from sqlalchemy_pgtask.explain import Explanation, explain
 
 __all__ = ["add_command", "explanation_json", "task_explain"]
@@ -39,7 +39,9 @@ def task_explain(args: argparse.Namespace) -> int:
         return explain(connection, task_id)
 
     explanation = in_transaction(args, read, read_only=True)
-    print(explanation_json(explanation) if args.json else explanation.summary)
+    text = explanation_json(explanation) if args.json else explanation.summary
+    for line in text.splitlines():  # the task's error is user data: no raw control characters
+        print(printable(line))
     return EXIT_OK
 
 

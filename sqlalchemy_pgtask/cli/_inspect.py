@@ -119,8 +119,9 @@ def _audited(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _print(lines: list[str]) -> None:
+    """Print each line with its control characters escaped (`_render.printable`)."""
     for line in lines:
-        print(line)
+        print(_render.printable(line))
 
 
 def show_status(args: argparse.Namespace) -> int:
@@ -178,7 +179,7 @@ def task_cancel(args: argparse.Namespace) -> int:
             raise TaskNotFound(f"no task with id {task_id}")
         return f"task {task_id} had already finished: {found.state}"
 
-    print(in_transaction(args, run, read_only=False))
+    _print([in_transaction(args, run, read_only=False)])
     return EXIT_OK
 
 
@@ -193,7 +194,7 @@ def task_retry(args: argparse.Namespace) -> int:
             raise QueueFull(f"cannot retry task {task_id}: {exc}; try again later") from exc
         return f"task {task_id}: pending again (was {previous})"
 
-    print(in_transaction(args, run, read_only=False))
+    _print([in_transaction(args, run, read_only=False)])
     return EXIT_OK
 
 
@@ -246,7 +247,7 @@ def queue_pause(args: argparse.Namespace) -> int:
     def run(connection: Connection) -> status.QueueSettings:
         return pause_queue(connection, args.name, **audited)
 
-    print(_render.queue_settings_line(in_transaction(args, run, read_only=False)))
+    _print([_render.queue_settings_line(in_transaction(args, run, read_only=False))])
     return EXIT_OK
 
 
@@ -256,14 +257,14 @@ def queue_resume(args: argparse.Namespace) -> int:
     def run(connection: Connection) -> status.QueueSettings:
         return resume_queue(connection, args.name, **audited)
 
-    print(_render.queue_settings_line(in_transaction(args, run, read_only=False)))
+    _print([_render.queue_settings_line(in_transaction(args, run, read_only=False))])
     return EXIT_OK
 
 
 def queue_list(args: argparse.Namespace) -> int:
     queues = in_transaction(args, list_queues, read_only=True)
     if not queues:
-        print("no queue has settings; every queue uses the defaults")
+        _print(["no queue has settings; every queue uses the defaults"])
     _print([_render.queue_settings_line(q) for q in queues])
     return EXIT_OK
 
@@ -280,7 +281,7 @@ def audit_list(args: argparse.Namespace) -> int:
 
     entries = in_transaction(args, read, read_only=True)
     if args.json:
-        print(_render.audit_json(entries))
+        _print([_render.audit_json(entries)])
     else:
         _print(_render.audit_lines(entries, args.limit))
     return EXIT_OK

@@ -4,12 +4,17 @@ Each function returns the lines a command prints. Times are shown in UTC (ISO 86
 millisecond, with a ``Z``), whatever the session's time zone, so two operators' outputs
 compare. JSON documents (``task show --json``) keep full precision: ISO 8601 with the offset,
 UUIDs as strings.
+
+Most of what is printed is user data (payloads, errors and tracebacks, idempotency keys,
+audit actors and reasons, schedule errors, host names) and may hold terminal control
+sequences; a command passes every line through `printable` before it reaches the terminal.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import uuid
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
@@ -33,6 +38,7 @@ __all__ = [
     "audit_json",
     "audit_lines",
     "json_default",
+    "printable",
     "queue_settings_line",
     "rate",
     "status_lines",
@@ -48,6 +54,22 @@ _ERROR_KEYS: Final = frozenset({"type", "exception", "message", "traceback"})
 _RELATED: Final = ("attempts", "steps", "wait", "children", "parent")
 #: A step's value longer than this (as JSON) is cut in the text output; ``--json`` has it all.
 _STEP_VALUE_WIDTH: Final = 120
+#: Every control character: C0 (ESC, CR, BEL, newline ...), DEL and C1 (the one-byte CSI).
+_CONTROL: Final = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def _escape(match: re.Match[str]) -> str:
+    return f"\\u{ord(match.group()):04x}"
+
+
+def printable(line: str) -> str:
+    """``line`` with every control character written as ``\\u001b``: what a terminal shows
+    as it is. Printed raw, an error message or a payload could clear the operator's screen,
+    retitle the window or overwrite a line (``\\r``) with one of its own. The escape is also
+    JSON's, and a JSON document holds control characters only inside its strings (``json``
+    leaves DEL and C1 raw with ``ensure_ascii=False``), so a document stays valid and its
+    values unchanged."""
+    return _CONTROL.sub(_escape, line)
 
 
 def when(value: datetime | None) -> str:

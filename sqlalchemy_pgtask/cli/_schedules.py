@@ -11,6 +11,7 @@ from typing import Any
 
 from sqlalchemy import Connection
 
+from sqlalchemy_pgtask.cli import _render
 from sqlalchemy_pgtask.cli._connection import in_transaction
 from sqlalchemy_pgtask.cli._errors import EXIT_OK, UsageError
 from sqlalchemy_pgtask.schedule import (
@@ -28,9 +29,12 @@ __all__ = ["add_commands", "schedule_lines"]
 
 
 def _when(value: datetime | None) -> str:
-    from sqlalchemy_pgtask.cli._render import when
+    return _render.when(value)
 
-    return when(value)
+
+def _print(line: str) -> None:
+    """Print ``line`` with its control characters escaped (a last error is user data)."""
+    print(_render.printable(line))
 
 
 def schedule_lines(info: ScheduleInfo) -> list[str]:
@@ -58,7 +62,7 @@ def schedule_lines(info: ScheduleInfo) -> list[str]:
 def _print_all(infos: list[ScheduleInfo]) -> None:
     for info in infos:
         for line in schedule_lines(info):
-            print(line)
+            _print(line)
 
 
 def schedule_list(args: argparse.Namespace) -> int:
@@ -67,7 +71,7 @@ def schedule_list(args: argparse.Namespace) -> int:
 
     infos = in_transaction(args, read, read_only=True)
     if not infos:
-        print("no schedules")
+        _print("no schedules")
     _print_all(infos)
     return EXIT_OK
 
@@ -113,7 +117,7 @@ def _change(args: argparse.Namespace) -> int:
 
     info = in_transaction(args, run, read_only=False)
     if args.schedule_command == "delete":
-        print(f"schedule {info.name} deleted (its tasks are kept)")
+        _print(f"schedule {info.name} deleted (its tasks are kept)")
     else:
         _print_all([info])
     return EXIT_OK

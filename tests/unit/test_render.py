@@ -13,6 +13,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from sqlalchemy_pgtask.cli._render import (
+    printable,
     status_lines,
     task_detail_json,
     task_detail_lines,
@@ -136,3 +137,14 @@ def test_status_without_workers_or_queues() -> None:
         "  q: 0 pending (0 due), 0 running, 0 waiting",
         "    finished: 1 succeeded, 0 failed, 0 cancelled; capacity unlimited; not paused",
     ]
+
+
+def test_printable_escapes_every_control_character_and_keeps_json_its_value() -> None:
+    hostile = "a\x1b]0;t\x07\x1b[2J\r\n\t\x00\x7f\x9b31mb é ☃"
+    assert printable(hostile) == (
+        "a\\u001b]0;t\\u0007\\u001b[2J\\u000d\\u000a\\u0009\\u0000\\u007f\\u009b31mb é ☃"
+    )
+    document = task_detail_json(_task(payload={"m": hostile}, error={"message": hostile}))
+    escaped = printable(document)
+    assert not any(0x7F <= ord(c) <= 0x9F or ord(c) < 0x20 for c in escaped)
+    assert json.loads(escaped) == json.loads(document)
