@@ -171,7 +171,16 @@ class Executor:
         handle = loop.create_task(self._execute(attempt), name="pgtask-handler")
         attempt.handle = handle
         self._handles.add(handle)
-        handle.add_done_callback(self._handles.discard)
+        handle.add_done_callback(functools.partial(self._ended, attempt))
+
+    def _ended(self, attempt: ActiveAttempt, handle: asyncio.Task[None]) -> None:
+        self._handles.discard(handle)
+        if handle.cancelled() and not attempt.settled:
+            # Stopped in the turn it was started (the watchdog, after a claim that came back
+            # late): a task cancelled before its first step never runs its coroutine, whose
+            # own finish would have freed the slot and handed the task back. Without this
+            # the slot stayed taken and the lease was renewed for ever.
+            self._finish(attempt, None, asyncio.CancelledError())
 
     def hand_back(self, row: Row[Any], sent: float) -> None:
         """Release claimed ``row`` without running it (through the outcome writer, whose
@@ -232,6 +241,13 @@ class Executor:
                     returned = await returned
         except BaseException as exc:  # every way a handler can end is an outcome
             raised = exc
+        self._finish(attempt, returned, raised)
+
+    def _finish(
+        self, attempt: ActiveAttempt, returned: object, raised: BaseException | None
+    ) -> None:
+        """Decide the attempt's outcome and hand it to the writer; free its slot."""
+        ctx, definition = attempt.ctx, attempt.definition
         outcome: Outcome | None = None
         try:
             if attempt.suspended:
