@@ -25,19 +25,9 @@ __all__ = ["REASON_CODES", "Explanation", "Reason", "ReasonCode", "WorkerSlots",
 
 #: Why a task is not running now (or, for ``running``, where it runs).
 ReasonCode = Literal[
-    "not_due",
-    "sleeping",
-    "queue_paused",
-    "queue_at_capacity",
-    "no_live_worker",
-    "rate_limited",
-    "workers_busy",
-    "ready",
-    "waiting_signal",
-    "waiting_child",
-    "waiting",
-    "running",
-    "terminal",
+    "not_due", "sleeping", "queue_paused", "queue_at_capacity", "no_live_worker",
+    "rate_limited", "workers_busy", "ready", "waiting_signal", "waiting_child", "waiting",
+    "running", "terminal",
 ]
 REASON_CODES: Final[tuple[ReasonCode, ...]] = get_args(ReasonCode)
 
@@ -53,10 +43,8 @@ class WorkerSlots:
 
 @dataclass(frozen=True)
 class Reason:
-    """One reason the task is where it is: a stable ``code``, a sentence, and its details.
-
-    Details that do not apply to the code are None (or empty).
-    """
+    """One reason the task is where it is: a stable ``code``, a sentence, and its details
+    (None, or empty, where they do not apply to the code)."""
 
     code: ReasonCode
     #: One sentence in plain English, times in UTC.
@@ -234,15 +222,12 @@ def _recovery(task: Any) -> str:
     """What lease recovery does with a running task whose lease expired, as `RECOVER`
     (``statements.lease.recover_from``) decides it: the lost attempt counts as failed."""
     if task.cancel_requested_at is not None:
-        return (
-            f"lease recovery will cancel the task (cancellation was requested at "
-            f"{when(task.cancel_requested_at)})"
-        )
-    if task.max_attempts is None or task.failed_attempts + 1 >= task.max_attempts:
-        budget = "" if task.max_attempts is None else f" of {task.max_attempts} allowed"
+        requested = when(task.cancel_requested_at)
+        return f"lease recovery will cancel the task (cancellation was requested at {requested})"
+    if task.failed_attempts + 1 >= task.max_attempts:  # known once a task was claimed
         return (
             f"lease recovery will fail the task: the lost attempt {task.attempt} counts as "
-            f"failed, and it has no attempt left{budget}"
+            f"failed, and it has no attempt left of {task.max_attempts} allowed"
         )
     return "lease recovery will make the task pending again"
 
