@@ -17,13 +17,17 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import sys
 import uuid
 from collections.abc import Mapping
 from datetime import date, datetime, time, timedelta, timezone
 from typing import Any, Final, Literal, get_args
 
-__all__ = ["LOG_FORMATS", "TASK_FIELDS", "JsonFormatter", "LogFormat", "configure_logging"]
+__all__ = [
+    "LOG_FORMATS", "TASK_FIELDS", "JsonFormatter", "LogFormat", "configure_logging",
+    "escape_controls",
+]
 
 #: The two shapes of the worker's log: human-readable lines, or one JSON object per line.
 LogFormat = Literal["text", "json"]
@@ -44,8 +48,27 @@ TASK_FIELDS: Final = (
 
 TEXT_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
+#: Every control character: C0 (ESC, CR, BEL, newline ...), DEL and C1 (the one-byte CSI).
+_CONTROL: Final = re.compile("[\x00-\x1f\x7f-\x9f]")
+
 #: How deep nested containers in an extra value are converted before falling back to text.
 _MAX_DEPTH: Final = 8
+
+
+def _escape(match: re.Match[str]) -> str:
+    return f"\\u{ord(match.group()):04x}"
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with every control character written as its JSON escape (``\\u001b``).
+
+    For user data on its way to a log line or a terminal (a handler's error message, a
+    payload): raw, it could clear the screen, retitle the window or forge a line of its own.
+    The escape is JSON's, and a JSON document holds control characters only inside its
+    strings (``json`` leaves DEL and C1 raw with ``ensure_ascii=False``), so a document stays
+    valid and its values unchanged.
+    """
+    return _CONTROL.sub(_escape, text)
 
 
 def _jsonable(value: object, depth: int = 0) -> Any:

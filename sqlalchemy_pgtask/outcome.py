@@ -20,6 +20,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from sqlalchemy_pgtask._logging import escape_controls
 from sqlalchemy_pgtask.context import StopReason
 from sqlalchemy_pgtask.control import Fail, LeaseLost, Retry, TaskCancelled
 from sqlalchemy_pgtask.errors import InvalidOptionError, PayloadError
@@ -90,10 +91,12 @@ def _describe(exc: BaseException) -> tuple[str, str]:
 
 
 def one_line(exc: BaseException, limit: int = 300) -> str:
-    """``Type: message`` on one printable line, for logs (never raises, never holds NUL)."""
+    """``Type: message`` on one printable line, for logs (never raises, never holds NUL or
+    another control character: an error message must not drive the terminal that shows the
+    log, nor forge a line)."""
     message, _ = _describe(exc)
     text, cut = _clean(" ".join(message.split()), limit)
-    return f"{type(exc).__name__}: {text}{'...' if cut else ''}"
+    return escape_controls(f"{type(exc).__name__}: {text}{'...' if cut else ''}")
 
 
 def _encoded_size(document: dict[str, Any]) -> int:

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import uuid
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from typing import Any, Final
 
+from sqlalchemy_pgtask._logging import escape_controls as printable
 from sqlalchemy_pgtask.audit import AuditRecord
 from sqlalchemy_pgtask.status import (
     AttemptInfo,
@@ -54,22 +54,7 @@ _ERROR_KEYS: Final = frozenset({"type", "exception", "message", "traceback"})
 _RELATED: Final = ("attempts", "steps", "wait", "children", "parent")
 #: A step's value longer than this (as JSON) is cut in the text output; ``--json`` has it all.
 _STEP_VALUE_WIDTH: Final = 120
-#: Every control character: C0 (ESC, CR, BEL, newline ...), DEL and C1 (the one-byte CSI).
-_CONTROL: Final = re.compile("[\x00-\x1f\x7f-\x9f]")
 
-
-def _escape(match: re.Match[str]) -> str:
-    return f"\\u{ord(match.group()):04x}"
-
-
-def printable(line: str) -> str:
-    """``line`` with every control character written as ``\\u001b``: what a terminal shows
-    as it is. Printed raw, an error message or a payload could clear the operator's screen,
-    retitle the window or overwrite a line (``\\r``) with one of its own. The escape is also
-    JSON's, and a JSON document holds control characters only inside its strings (``json``
-    leaves DEL and C1 raw with ``ensure_ascii=False``), so a document stays valid and its
-    values unchanged."""
-    return _CONTROL.sub(_escape, line)
 
 
 def when(value: datetime | None) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from sqlalchemy_pgtask.outcome import error_document, result_document
+from sqlalchemy_pgtask.outcome import error_document, one_line, result_document
 
 ERROR_MAX_BYTES = 256 * 1024
 RESULT_MAX_BYTES = 1024 * 1024
@@ -283,3 +283,14 @@ def test_an_exception_class_with_an_unencodable_module_name_yields_a_jsonb_safe_
     assert document["exception"].startswith("generated\\")
     assert document["exception"].endswith("Oddly")
     assert document["message"] == "fine"
+
+
+def test_a_log_line_of_an_error_holds_no_control_character() -> None:
+    # The worker logs a handler's error as one_line(exc): an escape sequence in the message
+    # reached the log raw and drove the terminal of whoever read it.
+    exc = RuntimeError("\x1b]0;pwned\x07\x1b[2Jcleared\x9b31m\x7f")
+    line = one_line(exc)
+    assert not [c for c in line if ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F], line
+    assert line == (
+        "RuntimeError: \\u001b]0;pwned\\u0007\\u001b[2Jcleared\\u009b31m\\u007f"
+    )
