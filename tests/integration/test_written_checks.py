@@ -2,7 +2,9 @@
 
 Revision ``pgtask_0008`` turned six CHECK constraints of ``pgtask.tasks`` into row triggers with
 the same conditions, fired by an ``INSERT`` (``COPY`` included) or an ``UPDATE`` that sets their
-column: a claim or a completion no longer re-prints the payload. A writer that bypasses the
+column: a claim or a completion no longer re-prints the payload. Revision ``pgtask_0012``
+checks an insert's rows once per statement instead (one trigger reading its transition table),
+naming what the row triggers named. A writer that bypasses the
 library still cannot store a bad row, and the error is the one the CHECK gave (SQLSTATE 23514,
 naming the constraint). The limits are the library's own (`sqlalchemy_pgtask.validation`): a
 value at the limit is stored, one byte over is refused.
@@ -133,6 +135,45 @@ def test_an_update_setting_a_bad_value_is_refused_and_changes_nothing(
 
     _refused(refused.value, case.constraint)
     assert _stored(pgtask_engine, case.column, task_id) == case.at_limit
+
+
+def test_a_statement_is_refused_for_its_first_bad_row_naming_what_a_row_trigger_named(
+    pgtask_engine: Engine,
+) -> None:
+    # Rows 2 and 3 are bad; row 2 breaks two checks, and the row triggers fired by name, so
+    # the error named its first in that order (the name before the payload's size).
+    ids = [uuid.uuid4() for _ in range(4)]
+    big = _string(PAYLOAD_MAX_BYTES + 1)
+    with pytest.raises(IntegrityError) as refused, pgtask_engine.begin() as connection:
+        connection.execute(
+            text(
+                "INSERT INTO pgtask.tasks (id, queue, name, payload) VALUES"
+                " (:a, 'default', 't', '{}'), (:b, 'default', 'bad name', CAST(:big AS jsonb)),"
+                " (:c, 'bad queue', 't', '{}'), (:d, 'default', 't', '{}')"
+            ),
+            {"a": ids[0], "b": ids[1], "c": ids[2], "d": ids[3], "big": big},
+        )
+
+    _refused(refused.value, "ck_tasks_name")
+    assert isinstance(refused.value.orig, psycopg.Error)
+    assert refused.value.orig.diag.message_detail == f"Failing row has id {ids[1]}."
+    assert _count(pgtask_engine) == 0
+
+
+def test_an_insert_is_checked_once_per_statement_and_an_update_per_row(
+    pgtask_engine: Engine,
+) -> None:
+    with pgtask_engine.connect() as connection:
+        triggers: dict[str, int] = dict(connection.execute(text(
+            "SELECT tgname, tgtype FROM pg_trigger WHERE tgrelid = 'pgtask.tasks'::regclass"
+            " AND tgname LIKE 'tasks_check_%'"
+        )).all())
+    row, insert, update = 1, 4, 16  # pg_trigger.tgtype bits
+    assert triggers.pop("tasks_check_inserted") & (row | insert | update) == insert
+    assert triggers, "the column checks on UPDATE are still there"
+    assert {name: kind & (row | insert | update) for name, kind in triggers.items()} == {
+        name: row | update for name in triggers
+    }
 
 
 def test_a_copy_with_one_bad_row_is_refused_whole(

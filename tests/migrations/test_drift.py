@@ -28,7 +28,7 @@ _REVISIONS = (
     "pgtask_0001_initial", "pgtask_0002_runtime_v2", "pgtask_0003_durable",
     "pgtask_0004_operations", "pgtask_0005_fast_paths", "pgtask_0006_quiet_updates",
     "pgtask_0007_task_list", "pgtask_0008_written_checks", "pgtask_0009_attempts_unlocked",
-    "pgtask_0010_snapshot_capacity", "pgtask_0011_signals_immutable",
+    "pgtask_0010_snapshot_capacity", "pgtask_0011_signals_immutable", "pgtask_0012_inserted_checks",
 )
 
 
