@@ -24,7 +24,7 @@ from sqlalchemy import (
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from sqlalchemy_pgtask._asyncio import bounded
-from sqlalchemy_pgtask.models import Schedule, Task, Wait
+from sqlalchemy_pgtask.models import Queue, Schedule, Task, Wait
 from sqlalchemy_pgtask.registry import Registry
 from sqlalchemy_pgtask.statements import NOW
 from sqlalchemy_pgtask.states import PENDING, RUNNING, WAITING
@@ -101,7 +101,7 @@ async def drain(
     Due, as a real worker sees it: a pending task whose time has come, a waiting task whose
     wait has timed out, and an unpaused schedule whose next occurrence has come (the worker's
     maintenance passes make those two pending). Tasks scheduled in the future, waits still
-    waiting, and tasks no registered handler can run are left alone.
+    waiting, tasks in a paused queue, and tasks no registered handler can run are left alone.
 
     :raises TimeoutError: work was still due or running after ``timeout`` seconds.
     """
@@ -118,6 +118,8 @@ async def drain(
             ) -> ColumnElement[bool]:
                 return and_(queue.in_(queues), tuple_(queue, name, version).in_(identities))
 
+            # A worker claims nothing from a paused queue, however long it runs.
+            paused = exists().where(Queue.name == Task.queue, Queue.paused_at.is_not(None))
             due_tasks = (
                 select(func.count())
                 .select_from(Task)
@@ -127,7 +129,7 @@ async def drain(
                         Task.state == RUNNING,
                         runnable(Task.queue, Task.name, Task.version)
                         & or_(
-                            (Task.state == PENDING) & (Task.run_at <= NOW),
+                            (Task.state == PENDING) & (Task.run_at <= NOW) & ~paused,
                             (Task.state == WAITING)
                             & exists().where(Wait.task_id == Task.id, Wait.timeout_at <= NOW),
                         ),

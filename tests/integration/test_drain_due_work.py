@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import Engine, func, select, text
 from sqlalchemy.orm import Session
 
-from sqlalchemy_pgtask import Registry, Task, TaskContext, set_schedule
+from sqlalchemy_pgtask import Registry, Task, TaskContext, enqueue, pause_queue, set_schedule
 from sqlalchemy_pgtask.testing import DatabaseClock, drain
 
 registry = Registry()
@@ -104,3 +104,23 @@ async def test_drain_after_the_clock_passes_a_declared_schedule_runs_its_occurre
     pgtask_clock.advance(3600)
     await drain(registry, pgtask_database_url)
     assert _succeeded(pgtask_engine, "hourly-report") == before + 1
+
+
+async def test_drain_leaves_the_tasks_of_a_paused_queue_and_returns(
+    pgtask_database_url: str, pgtask_engine: Engine
+) -> None:
+    # A worker never claims from a paused queue: drain waited for those tasks until its
+    # timeout and raised TimeoutError, though everything it could run had run.
+    with Session(pgtask_engine) as session:
+        pause_queue(session, "held", actor="test", reason="maintenance")
+        held = enqueue(session, "nightly-cleanup", queue="held").id
+        ran = enqueue(session, "nightly-cleanup", queue="open").id
+        session.commit()
+    tasks = Registry()
+    for queue in ("held", "open"):
+        tasks.task("nightly-cleanup", queue=queue)(nightly_cleanup)
+
+    await drain(tasks, pgtask_database_url, timeout=5)
+
+    assert _state(pgtask_engine, ran) == "succeeded"
+    assert _state(pgtask_engine, held) == "pending"
