@@ -66,8 +66,12 @@ def _database(error: BaseException) -> str:
     reason = _one_line(str(error)) or type(error).__name__
     sqlstate = getattr(error, "sqlstate", None)
     if not sqlstate:
-        # Raised by the client before the server said anything: no connection was made.
-        return f"cannot reach the database: {reason}"
+        if isinstance(error, (psycopg.OperationalError, psycopg.InterfaceError)):
+            # Raised by the client, not the server: no connection was made, or it was lost.
+            return f"cannot reach the database: {reason}"
+        # The server answered; the client could not turn a value it sent into Python (a
+        # timestamp of 'infinity' written by hand, say).
+        return f"cannot read what the database sent: {reason}"
     hint = _HINTS.get(sqlstate)
     detail = f" ({hint})" if hint else ""
     return f"database error {sqlstate}: {reason}{detail}"

@@ -165,6 +165,20 @@ def test_a_dropped_table_exits_1_and_says_to_migrate(
     _one_line_error(result, 1, f'"pgtask.{table}" does not exist', "pgtask migrate")
 
 
+def test_a_value_the_client_cannot_read_is_not_called_an_unreachable_database(
+    app_dir: Path, db: Database
+) -> None:
+    # A timestamp Python cannot hold, written by hand: the server answered, so "cannot reach
+    # the database" sent the operator after the network.
+    db.enqueue("job", {})
+    db.execute("UPDATE pgtask.tasks SET run_at = 'infinity'")
+
+    result = run_cli("task", "list", "--database-url", db.url, cwd=app_dir, timeout=90)
+
+    _one_line_error(result, 1, "cannot read what the database sent", "infinity")
+    assert "cannot reach" not in result.stderr
+
+
 def test_migrate_to_an_unknown_revision_is_a_usage_error_and_installs_nothing(
     app_dir: Path, pgtask_empty_database_url: str
 ) -> None:
