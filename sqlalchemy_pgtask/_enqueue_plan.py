@@ -285,7 +285,7 @@ def execution(plan: Plan) -> Generator[Step, Sequence[Any] | None, list[EnqueueR
 
     The first step is the plan's one statement. A reserved key whose answer that statement
     could not give (the reservation expired, or was committed after its snapshot) is settled
-    by `TAKE_OVER_KEYS` with a fresh snapshot, and its task inserted if it was taken over.
+    by `TAKE_OVER_KEYS` with a fresh snapshot, which inserts its task if it took it over.
     """
     returned = yield plan.statement, plan.params
     if returned is None:
@@ -297,24 +297,17 @@ def execution(plan: Plan) -> Generator[Step, Sequence[Any] | None, list[EnqueueR
         if not open_keys:
             break
         rows = [plan.rows[index] for index in open_keys]
-        settled = yield statements.TAKE_OVER_KEYS, {
-            "queues": [row.queue for row in rows],
-            "keys": [row.key for row in rows],
-            "ids": [row.id for row in rows],
-        }
+        settled = yield statements.TAKE_OVER_KEYS, _batch_params(rows, open_keys)
         by_key = {(s.queue, s.key): s for s in settled or ()}
-        taken, vanished = [], []
+        vanished = []
         for index, row in zip(open_keys, rows, strict=True):
             reservation = by_key[(row.queue, row.key)]
             if reservation.task_id is None:  # deleted meanwhile: reserve it anew
                 vanished.append(index)
-            elif reservation.taken:
+            elif reservation.taken:  # its task was inserted by the same statement
                 by_index[index] = EnqueueResult(row.id, True)
-                taken.append(index)
             else:
                 by_index[index] = EnqueueResult(reservation.task_id, False)
-        if taken:
-            yield statements.ENQUEUE_BATCH, _batch_params([plan.rows[i] for i in taken], taken)
         open_keys = []
         if vanished:
             again = yield statements.ENQUEUE_BATCH_IDEMPOTENT, _batch_params(

@@ -292,15 +292,7 @@ ENQUEUE_BATCH_IDEMPOTENT: Final = _enqueue_batch_idempotent()
 
 
 def _take_over_keys() -> Select[Any]:
-    wanted = (
-        func.unnest(
-            bindparam("queues", type_=ARRAY(Text)),
-            bindparam("keys", type_=ARRAY(Text)),
-            bindparam("ids", type_=ARRAY(UUID_T)),
-        )
-        .table_valued(column("queue", Text), column("key", Text), column("id", UUID_T))
-        .render_derived("wanted")
-    )
+    wanted = _requests()
     is_wanted = func.row(keys.c.queue, keys.c.key).in_(select(wanted.c.queue, wanted.c.key))
     # The expired reservations, locked in (queue, key) order, so two producers taking over
     # the same keys wait for each other instead of deadlocking. A lock that had to wait
@@ -323,6 +315,15 @@ def _take_over_keys() -> Select[Any]:
         .returning(keys.c.queue, keys.c.key, keys.c.task_id)
         .cte("taken")
     )
+    # The tasks of the keys taken over, in the same statement: on an autocommit connection
+    # a take-over committed on its own, whose insert then failed (a full queue, a lost
+    # connection), left the key reserved for ever for a task that never existed.
+    inserted = insert(tasks).from_select(
+        list(_ENQUEUE_COLUMNS),
+        _task_values(wanted)
+        .where(wanted.c.id.in_(select(taken.c.task_id)))
+        .order_by(wanted.c.ord),
+    ).cte("inserted")
     reservation = keys.alias("reservation")
     live = and_(reservation.c.task_id.is_not(None), ~key_expired(reservation))
     return select(
@@ -343,13 +344,14 @@ def _take_over_keys() -> Select[Any]:
             reservation,
             and_(reservation.c.queue == wanted.c.queue, reservation.c.key == wanted.c.key),
         )
-    )
+    ).add_cte(inserted)
 
 
-#: Settles the keys `ENQUEUE_BATCH_IDEMPOTENT` left open, with a fresh snapshot: an expired
-#: reservation is taken over for the given task id (locking that key row, as a new one would
-#: be); a live one is returned as it is, without a lock. Returns ``(queue, key, task_id,
-#: taken)`` per key; ``task_id`` NULL means the reservation vanished (retention deleted it) or
-#: a concurrent producer took it over after this statement began: the caller tries the key
-#: again. The caller inserts the tasks of the keys it took over.
+#: Settles the keys `ENQUEUE_BATCH_IDEMPOTENT` left open, with a fresh snapshot, given their
+#: requests' arrays (as `ENQUEUE_BATCH`'s): an expired reservation is taken over for the
+#: request's task id (locking that key row, as a new one would be) and the task inserted in
+#: the same statement; a live one is returned as it is, without a lock. Returns ``(queue,
+#: key, task_id, taken)`` per key; ``task_id`` NULL means the reservation vanished (retention
+#: deleted it) or a concurrent producer took it over after this statement began: the caller
+#: tries the key again.
 TAKE_OVER_KEYS: Final = _take_over_keys()

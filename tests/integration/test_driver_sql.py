@@ -61,7 +61,12 @@ CASES: dict[str, tuple[Executable, Any]] = {
         EnqueueRequest(name="t", payload=2),
     ),
     "TAKE_OVER_KEYS": (
-        statements.TAKE_OVER_KEYS, {"queues": ["default"], "keys": ["k1"], "ids": [uuid.uuid4()]},
+        statements.TAKE_OVER_KEYS,
+        # The arrays of ENQUEUE_BATCH_IDEMPOTENT's plan: the take-over inserts their tasks.
+        _plan(
+            EnqueueRequest(name="t", payload=1, idempotency_key="k1"),
+            EnqueueRequest(name="t", payload=2, idempotency_key="k2", delay=5.0),
+        )[1],
     ),
 }
 
