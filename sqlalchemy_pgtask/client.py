@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Final
 
 from sqlalchemy import Connection, Engine, Select, select
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_scoped_session
 from sqlalchemy.orm import Session, joinedload, scoped_session, selectinload
 
@@ -184,6 +187,18 @@ class _Wait:
     def late(self) -> TimeoutError:
         return TimeoutError(f"task {self.task_id} did not finish within {self.timeout} s")
 
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """A read that waited past the deadline for a pooled connection is a late result
+        (the documented `TimeoutError`), not the pool's own error: the pool's checkout has a
+        timeout of its own, which no waiter can shorten."""
+        try:
+            yield
+        except PoolTimeout as exc:
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                raise self.late() from exc
+            raise
+
     def pause(self) -> float:
         """How long to wait for a notification before the next read.
 
@@ -217,7 +232,9 @@ def wait_for_result(
     :param poll_interval: the longest gap between two reads, in seconds (> 0).
     :raises ValidationError: a bad ``task_id``, ``timeout`` or ``poll_interval``, before
         connecting.
-    :raises TimeoutError: the task did not finish within ``timeout`` seconds.
+    :raises TimeoutError: the task did not finish within ``timeout`` seconds (or its read
+        waited for a pooled connection past them: the pool's own ``pool_timeout`` bounds
+        that wait, so a waiter on an exhausted pool may return that much later).
     :raises TaskNotFound: there is no such task.
     :raises SchemaNotInstalled: the database has no pgtask schema.
     :raises TypeError: ``engine`` is not an `Engine` (for an `AsyncEngine`, use
@@ -230,7 +247,7 @@ def wait_for_result(
     ) as finished:
         while True:
             finished.clear()  # before the read: a notification during it is not lost
-            with Session(engine, expire_on_commit=False) as session:
+            with wait.reading(), Session(engine, expire_on_commit=False) as session:
                 task = _finished(session, wait.task_id)
                 if task is not None:
                     session.expunge(task)
@@ -255,10 +272,11 @@ async def wait_for_result_async(
         ) as finished:
             while True:
                 finished.clear()  # before the read: a notification during it is not lost
-                async with AsyncSession(engine, expire_on_commit=False) as session:
-                    task = await session.run_sync(_finished, wait.task_id)
-                    if task is not None:
-                        session.expunge(task)
-                        return task
+                with wait.reading():
+                    async with AsyncSession(engine, expire_on_commit=False) as session:
+                        task = await session.run_sync(_finished, wait.task_id)
+                        if task is not None:
+                            session.expunge(task)
+                            return task
                 pause = wait.pause()  # before the coroutine: a raise here would orphan it
                 await first(finished.wait(), timeout=pause)

@@ -463,3 +463,31 @@ async def test_an_async_waiter_keeps_its_own_timeout_while_the_listener_connects
         assert "did not finish within 0.3 s" in str(done[1])
     finally:
         await engine.dispose()
+
+
+def test_a_sync_waiter_whose_read_finds_the_pool_exhausted_past_its_deadline_times_out(
+    pgtask_database_url: str,
+) -> None:
+    # Two pooled connections: the listener takes one, the test holds the other. The read
+    # waited for the pool's own checkout timeout and raised SQLAlchemy's pool TimeoutError,
+    # which is not the TimeoutError the waiter documents.
+    engine = create_engine(pgtask_database_url, pool_size=2, max_overflow=0, pool_timeout=1)
+    [task_id] = add_tasks(pgtask_database_url, 1)
+    try:
+        with engine.connect(), pytest.raises(TimeoutError, match=r"did not finish within 0\.2 s"):
+            wait_for_result(engine, task_id, timeout=0.2)
+    finally:
+        engine.dispose()
+
+
+async def test_an_async_waiter_whose_read_finds_the_pool_exhausted_past_its_deadline_times_out(
+    pgtask_database_url: str,
+) -> None:
+    engine = create_async_engine(pgtask_database_url, pool_size=2, max_overflow=0, pool_timeout=1)
+    [task_id] = add_tasks(pgtask_database_url, 1)
+    try:
+        async with engine.connect():
+            with pytest.raises(TimeoutError, match=r"did not finish within 0\.2 s"):
+                await wait_for_result_async(engine, task_id, timeout=0.2)
+    finally:
+        await engine.dispose()
