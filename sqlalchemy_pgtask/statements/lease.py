@@ -59,24 +59,9 @@ from sqlalchemy_pgtask.statements._common import (
 )
 
 __all__ = [
-    "COMPLETE",
-    "FAIL",
-    "LEASES",
-    "OWNED",
-    "RECOVER",
-    "RELEASE",
-    "RENEW",
-    "CompleteParams",
-    "FailParams",
-    "FenceParams",
-    "ReleaseParams",
-    "RenewParams",
-    "complete_params",
-    "fail_params",
-    "fence_params",
-    "recover_from",
-    "release_params",
-    "renew_params",
+    "COMPLETE", "FAIL", "LEASES", "OWNED", "RECOVER", "RELEASE", "RENEW", "CompleteParams",
+    "FailParams", "FenceParams", "ReleaseParams", "RenewParams", "complete_params",
+    "fail_params", "fence_params", "recover_from", "release_params", "renew_params",
 ]
 
 _EXPIRED_ERROR: Final = cast(literal_column("""'{"type": "lease_expired"}'"""), JSONB)
@@ -179,9 +164,13 @@ def _held(request: TableValuedAlias) -> CTE:
 
 
 def _in_held(held: CTE, request: TableValuedAlias) -> list[ColumnElement[bool]]:
+    # Each held row joined to its own request: a batch may hold a stale attempt's outcome (set
+    # aside while the row was locked) beside the next one's; by id alone either could win.
     return [
         tasks.c.id == any_(func.array(select(held.c.id).scalar_subquery())),
         tasks.c.id == request.c.id,
+        tasks.c.attempt == request.c.attempt,
+        tasks.c.lease_token == request.c.token,
     ]
 
 

@@ -9,8 +9,10 @@ retried:
 * a transient failure (the connection broke) leaves the commit's outcome unknown: the lease
   state is re-read, and what is still held is written again;
 * a batch the database rejects, or that had to wait for a lock another transaction holds (a
-  finished child's waiting parent, a descendant its end cancels), is written one outcome at
-  a time, so one outcome cannot hold the others back; an outcome rejected on its own is
+  finished child's waiting parent, a descendant its end cancels) or ran past
+  ``statement_timeout``, is written one outcome at a time, so one outcome cannot hold the
+  others back (one that meets the lock or the timeout on its own is set aside, as a skipped
+  row is, and tried again later); an outcome rejected on its own is
   recorded as an ``outcome_rejected`` failure instead. If even that is refused, the
   installation is broken (permissions, schema): the completer raises and the worker stops
   rather than renew leases it can never settle.
@@ -25,6 +27,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -103,11 +106,17 @@ class Completer:
                 if not is_transient(exc):
                     logger.exception("writing %d outcome(s) failed; one by one now", len(pending))
                     return await self._one_by_one(pending)
-                if len(pending) > 1 and _lock_not_available(exc):
+                if _cut_short(exc):
                     # A row one outcome needs (its waiting parent, a descendant it cancels)
-                    # is held by another transaction: write the others now, that one later.
-                    logger.info("writing outcomes waited for a lock (%s); one by one now",
-                                brief(exc))
+                    # is held by another transaction, or one outcome's triggers ran past
+                    # statement_timeout: write the others now, that one later. Alone, it is
+                    # set aside like a skipped row: retried here, it would hold back every
+                    # outcome queued behind it for as long as the lock is held (for ever, if
+                    # it always runs too long). Nothing was committed.
+                    logger.info("writing %d outcome(s) was cut short (%s); %s", len(pending),
+                                brief(exc), "one by one now" if len(pending) > 1 else "later")
+                    if len(pending) == 1:
+                        return list(pending)
                     return await self._one_by_one(pending)
                 logger.warning("writing outcomes failed (%s); retrying", brief(exc))
                 await asyncio.sleep(backoff.next())
@@ -192,10 +201,16 @@ class Completer:
         return later
 
 
-def _lock_not_available(exc: BaseException) -> bool:
-    """SQLSTATE 55P03: a ``NOWAIT`` lock, or one that ran out of ``lock_timeout``."""
+#: SQLSTATEs of a statement stopped before its commit by what one of its rows needed: 55P03, a
+#: ``NOWAIT`` lock or one that ran out of ``lock_timeout``; 57014, ``statement_timeout`` (or
+#: an operator's ``pg_cancel_backend``).
+_CUT_SHORT: Final = frozenset({"55P03", "57014"})
+
+
+def _cut_short(exc: BaseException) -> bool:
+    """Whether the write failed, uncommitted, on a lock or a timeout (see `_CUT_SHORT`)."""
     cause = exc.orig if isinstance(exc, DBAPIError) else exc
-    return getattr(cause, "sqlstate", None) == "55P03"
+    return getattr(cause, "sqlstate", None) in _CUT_SHORT
 
 
 async def _execute(
