@@ -33,9 +33,9 @@ from sqlalchemy import (
     select,
     table,
 )
-from sqlalchemy.dialects.postgresql import ARRAY, JSONB, OID, aggregate_order_by
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, OID
 
-from sqlalchemy_pgtask.statements._common import NOW, TSTZ, UUID_T, tasks, workers
+from sqlalchemy_pgtask.statements._common import TSTZ, UUID_T, tasks, workers
 from sqlalchemy_pgtask.statements.lease import recover_from
 
 __all__ = ["LOCK_NAMESPACE", "RESCUE", "WORKER_LOCKS"]
@@ -91,25 +91,21 @@ def _worker_locks() -> Any:
         .where(_pg_stat_activity.c.pid == func.pg_backend_pid())
         .scalar_subquery()
     )
-    gone = select(workers.c.id, workers.c.started_at).where(locked, ~holding).subquery("gone")
     return select(
         func.pg_backend_pid().label("backend"),
         own_start.label("backend_start"),
-        NOW.label("now"),
         select(func.array_agg(workers.c.id)).where(locked, holding).scalar_subquery()
         .label("holding"),
-        select(func.array_agg(aggregate_order_by(gone.c.id, gone.c.id))).scalar_subquery()
+        select(func.array_agg(workers.c.id)).where(locked, ~holding).scalar_subquery()
         .label("gone"),
-        select(func.array_agg(aggregate_order_by(gone.c.started_at, gone.c.id)))
-        .scalar_subquery().label("gone_started"),
     )
 
 
-#: This session's identity (``backend`` pid and ``backend_start``), database time, and the
-#: workers (with a lock key) whose advisory lock is held now (``holding``) or not (``gone``,
-#: with their registration times ``gone_started`` in the same order), as arrays (NULL when
-#: empty). A worker takes its lock before it registers, so one registered after a moment held
-#: it then. Reads ``pg_locks`` once. Locks nothing.
+#: This session's identity (``backend`` pid and ``backend_start``) and the workers (with a
+#: lock key) whose advisory lock is held now (``holding``) or not (``gone``), as arrays (NULL
+#: when empty). A worker takes its lock before it registers, so one whose row a session reads
+#: for the first time held it after that session's previous read: no clock is compared (the
+#: database clock may be moved). Reads ``pg_locks`` once. Locks nothing.
 WORKER_LOCKS: Final = _worker_locks()
 
 

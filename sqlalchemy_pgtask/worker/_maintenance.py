@@ -91,6 +91,12 @@ class Rescue:
     backend (seen holding it, or registered since), and the lock was then missing on two
     passes in a row: a server restart or a failover ends this service's backend too, and a
     brief network cut gives the worker a pass to take its lock again (`statements.rescue`).
+
+    "Registered since" means its row was not there on this backend's previous pass, not that
+    its ``started_at`` is later: that is database time, which a clock set back (or a failover
+    to a server whose clock is behind) would make look recent. A worker whose tasks were taken
+    back and who has nothing left running is forgotten until it is seen holding its lock
+    again, so the pass does not look for it at twice its rate until its row is pruned.
     """
 
     name = "rescue"
@@ -98,10 +104,11 @@ class Rescue:
     def __init__(self, *, interval: float, batch_size: int) -> None:
         self.interval = interval
         self._batch = batch_size
-        #: The backend (pid, start) the observations below were made on, and the database
-        #: time of its first pass.
+        #: The backend (pid, start) the observations below were made on.
         self._backend: tuple[int, object] | None = None
-        self._since: object = None
+        #: The workers (with a lock) the last pass on that backend read: a row a pass reads
+        #: that the one before did not was registered since.
+        self._known: set[uuid.UUID] = set()
         #: Workers seen holding their lock on that backend.
         self._seen: set[uuid.UUID] = set()
         #: Workers seen holding it earlier, then missing it on the last pass.
@@ -110,17 +117,14 @@ class Rescue:
     async def run_once(self, connection: AsyncConnection) -> float | None:
         state = (await connection.execute(WORKER_LOCKS)).one()
         backend = (state.backend, state.backend_start)
-        if backend != self._backend:
-            self._backend, self._since = backend, state.now
-            self._seen, self._missing = set(), set()
         holding, gone = set(state.holding or ()), set(state.gone or ())
-        # Registered since this backend's first pass: it held its lock then.
-        self._seen |= {
-            worker for worker, started in zip(
-                state.gone or (), state.gone_started or (), strict=True
-            )
-            if started >= self._since
-        }
+        if backend != self._backend:
+            self._backend, self._known = backend, holding | gone
+            self._seen, self._missing = set(), set()
+        # Registered since the last pass (its row was committed after that pass's snapshot):
+        # it took its lock before it registered, so it held it during our session.
+        self._seen |= gone - self._known
+        self._known = holding | gone
         doomed = gone & self._missing
         self._missing = gone & self._seen
         self._seen = (self._seen & gone) | holding
@@ -132,6 +136,10 @@ class Rescue:
             rescued += len(rows)
             if len(rows) < self._batch:
                 break
+        if doomed and not rescued:
+            # Nothing of theirs is left running: forget them until seen holding a lock again.
+            self._seen -= doomed
+            self._missing -= doomed
         if rescued:
             logger.warning(
                 "rescued %d task(s) of %d worker(s) that are gone, before their leases expired",

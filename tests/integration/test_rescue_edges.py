@@ -1,0 +1,81 @@
+"""Instant rescue at its edges: the database clock moved, and workers already rescued.
+
+The rules of `worker._maintenance.Rescue` are checked one pass at a time with the plain
+connections of `tests.integration.test_rescue.FakeWorker` standing in for a worker's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from sqlalchemy import Engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from sqlalchemy_pgtask.testing import DatabaseClock
+from sqlalchemy_pgtask.worker._maintenance import Rescue
+from tests.integration.test_rescue import FakeWorker, state_of
+
+
+@pytest.fixture
+async def rescuer(pgtask_async_engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+    auto = pgtask_async_engine.execution_options(isolation_level="AUTOCOMMIT")
+    async with auto.connect() as conn:
+        yield conn
+
+
+async def test_a_clock_moved_back_does_not_make_a_worker_never_seen_alive_look_registered_since(
+    pgtask_engine: Engine, pgtask_clock: DatabaseClock, rescuer: AsyncConnection
+) -> None:
+    # The worker registered while the database clock ran an hour ahead; the clock was then
+    # set back (or: a failover to a server whose clock is behind). The rescuer's session
+    # starts after the worker's lock is gone, as after a restart: it never knew the worker
+    # alive, so the lease decides, whatever the registration time says.
+    pgtask_clock.set_offset(3600)
+    worker = FakeWorker(pgtask_engine, 4243)
+    worker.connect()
+    task_id = worker.running_task()
+    worker.die()
+    pgtask_clock.reset()
+    service = Rescue(interval=0.5, batch_size=100)
+    for _ in range(3):
+        await service.run_once(rescuer)
+    assert state_of(pgtask_engine, task_id) == ("running", 0, worker.id)
+
+
+async def test_a_clock_moved_forward_does_not_hide_a_worker_registered_since(
+    pgtask_engine: Engine, pgtask_clock: DatabaseClock, rescuer: AsyncConnection
+) -> None:
+    # The rescuer looked first, while the clock ran an hour ahead; the clock was set back,
+    # then a worker registered (holding its lock) and died before the next pass. It was
+    # alive during the rescuer's session: rescued at once, not left to its lease.
+    pgtask_clock.set_offset(3600)
+    service = Rescue(interval=0.5, batch_size=100)
+    await service.run_once(rescuer)
+    pgtask_clock.reset()
+    worker = FakeWorker(pgtask_engine, 4244)
+    worker.connect()
+    task_id = worker.running_task()
+    worker.die()
+    await service.run_once(rescuer)
+    await service.run_once(rescuer)
+    assert state_of(pgtask_engine, task_id) == ("pending", 1, None)
+
+
+async def test_a_rescued_worker_is_not_looked_for_again_on_every_pass(
+    pgtask_engine: Engine, rescuer: AsyncConnection
+) -> None:
+    # Once a dead worker's tasks are taken back, nothing of it is left to rescue: the pass
+    # goes back to its interval instead of running at twice its rate (and the rescue
+    # statement on every pass) until the worker's row is pruned an hour later.
+    service = Rescue(interval=0.5, batch_size=100)
+    worker = FakeWorker(pgtask_engine, 4245)
+    worker.connect()
+    task_id = worker.running_task()
+    await service.run_once(rescuer)
+    worker.die()
+    assert await service.run_once(rescuer) == 0.25  # missing once: look again soon
+    await service.run_once(rescuer)  # missing twice: rescued
+    assert state_of(pgtask_engine, task_id) == ("pending", 1, None)
+    for _ in range(3):
+        assert await service.run_once(rescuer) is None
