@@ -8,6 +8,8 @@ again. Another worker's rescue pass must not take its running task meanwhile.
 from __future__ import annotations
 
 import time
+import uuid
+from collections.abc import Callable
 
 import pytest
 from sqlalchemy import make_url, text
@@ -45,6 +47,23 @@ def _holders(db: Database, worker: WorkerProcess) -> str:
     )
 
 
+def _kept_and_finished(
+    db: Database, workers: WorkerLauncher, task_id: uuid.UUID, victim: WorkerProcess,
+    everyone: Callable[[], str],
+) -> None:
+    """Several rescue passes later the victim still runs the task, and finishes it in one
+    attempt: no rescuer took it."""
+    time.sleep(2.0)  # a stretch in which nothing may happen: there is no event to wait for
+    assert _running_on(db, task_id, victim), everyone()
+    workers.release("done")
+    workers.release("rescuer-free")
+    wait_until(lambda: db.state(task_id) == "succeeded", 20, message="the task to finish",
+               describe=everyone)
+    assert [(a.state, a.worker_id) for a in db.attempts(task_id)] == [
+        ("succeeded", victim.worker_id)
+    ]
+
+
 def _start_pair(db: Database, workers: WorkerLauncher) -> tuple[WorkerProcess, WorkerProcess]:
     """A rescuer that knows the victim alive, and the victim running a task of its own."""
     rescuer = workers.start(lease=LEASE, concurrency=1)
@@ -68,21 +87,14 @@ def test_a_worker_whose_connections_were_all_terminated_keeps_its_running_task(
     # Back within moments, holding its lock on new connections.
     wait_until(lambda: db.scalar(f"SELECT count(*) FROM pg_stat_activity WHERE {holders}"),
                20, message="the victim to take its lock again", describe=everyone)
-    time.sleep(2.0)  # several rescue passes of the rescuer: none may take the task
-    assert _running_on(db, task_id, victim), everyone()
-    workers.release("done")
-    workers.release("rescuer-free")
-    wait_until(lambda: db.state(task_id) == "succeeded", 20, message="the task to finish",
-               describe=everyone)
-    assert [(a.state, a.worker_id) for a in db.attempts(task_id)] == [
-        ("succeeded", victim.worker_id)
-    ]
+    _kept_and_finished(db, workers, task_id, victim, everyone)
 
 
 @pytest.mark.xfail(
     strict=True,
     reason="known gap: a rescuer waits only two passes (about 0.25 s by default) for a lock "
-    "to come back, less than a worker's own reconnect backoff (docs/failure-model.md, 'Runtime termination')",
+    "to come back, less than a worker's own reconnect backoff (docs/failure-model.md, "
+    "'Runtime termination')",
 )
 def test_a_worker_that_cannot_reconnect_for_a_moment_keeps_its_running_task(
     db: Database, workers: WorkerLauncher, pgtask_server: ServerInfo
@@ -109,12 +121,4 @@ def test_a_worker_that_cannot_reconnect_for_a_moment_keeps_its_running_task(
     finally:
         admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
         admin.close()
-    time.sleep(2.0)
-    assert _running_on(db, task_id, victim), everyone()
-    workers.release("done")
-    workers.release("rescuer-free")
-    wait_until(lambda: db.state(task_id) == "succeeded", 20, message="the task to finish",
-               describe=everyone)
-    assert [(a.state, a.worker_id) for a in db.attempts(task_id)] == [
-        ("succeeded", victim.worker_id)
-    ]
+    _kept_and_finished(db, workers, task_id, victim, everyone)
