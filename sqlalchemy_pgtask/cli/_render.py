@@ -56,7 +56,6 @@ _RELATED: Final = ("attempts", "steps", "wait", "children", "parent")
 _STEP_VALUE_WIDTH: Final = 120
 
 
-
 def when(value: datetime | None) -> str:
     """A timestamp as ISO 8601 in UTC to the millisecond (``2024-05-01T12:00:00.123Z``)."""
     if value is None:
