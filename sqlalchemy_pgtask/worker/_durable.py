@@ -95,23 +95,36 @@ class DurableAttempt:
     # -- keys and replay -------------------------------------------------------------------
 
     def key(self, step: object, occurrence: object) -> StepKey:
+        """The checkpoint key of a call about to be made; reserves nothing.
+
+        A key is used up by the call's replay lookup (`_lookup`), which every durable call
+        makes once its own arguments are valid: a call refused for a bad argument leaves its
+        key free, and raises the same error on a replay. Anything a call finds wrong after
+        the lookup (a full queue, a stranger's task id, a result that is not JSON) happens
+        with the key used, since a replay's lookup could return a checkpoint there instead.
+        """
         name = check_step_name(step)
         number = check_int_range("occurrence", occurrence, 0, INT4_MAX)
         key = (name, number)
+        self._check_unused(key)
+        return key
+
+    def _check_unused(self, key: StepKey) -> None:
         if key in self._used:
             raise InvalidOptionError(
                 "step",
-                f"{name!r} (occurrence {number}) was already used in this run; give each "
+                f"{key[0]!r} (occurrence {key[1]}) was already used in this run; give each "
                 "durable call its own step name, or count occurrences from durable data",
             )
-        self._used.add(key)
-        return key
 
     def params(self, key: StepKey) -> DurableParams:
         return durable_params(self.lease, self.ctx.version, key[0], key[1])
 
     def _lookup(self, key: StepKey, kind: str) -> tuple[bool, Any]:
+        """Use up ``key``; return its checkpoint of ``kind``, if an earlier attempt stored one."""
         assert self._stored is not None
+        self._check_unused(key)
+        self._used.add(key)
         entry = self._stored.get(key)
         if entry is None:
             return False, None

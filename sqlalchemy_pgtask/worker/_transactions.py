@@ -94,10 +94,13 @@ class _Step:
         self._entered = False
         self._replayed_value: Any = None
 
-    def _enter(self, found: bool, value: Any) -> None:
+    def _begin(self) -> None:
+        """Refuse a second entry, before the replay lookup uses up the step key."""
         if self._entered:
             raise RuntimeError("a transaction step is used once")
         self._entered = True
+
+    def _enter(self, found: bool, value: Any) -> None:
         if found:
             self.replayed = True
             self._replayed_value = value
@@ -138,6 +141,7 @@ class AsyncTransactionStep(_Step):
     _connection: AsyncConnection | None = None
 
     async def __aenter__(self) -> AsyncSession:
+        self._begin()
         found, value = await self._runtime.replayed(self._key, _KIND)
         self._enter(found, value)
         if self.replayed:
@@ -210,6 +214,7 @@ class SyncTransactionStep(_Step):
     _connection: Connection | None = None
 
     def __enter__(self) -> Session:
+        self._begin()
         runtime = self._runtime
         replay = runtime.replayed_now(self._key, _KIND)
         found, value = replay if replay is not None else runtime.call(
