@@ -18,6 +18,7 @@ passed in by the caller.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -55,6 +56,10 @@ _MACROS: Final = {
 #: needs 3,600; a year of a sparse one, a handful).
 _MAX_STEPS: Final = 200_000
 _SECOND: Final = timedelta(seconds=1)
+#: croniter's random field (``R``, ``R(0-29)``, ``R/5``): it draws anew every time the
+#: expression is parsed, so the cursor, the misfire decision and the listed occurrences
+#: would each see another schedule. Refused.
+_RANDOM: Final = re.compile(r"r(\(\d+-\d+\))?(/\d+)?", re.IGNORECASE | re.ASCII)
 _TICK: Final = timedelta(microseconds=1)
 
 
@@ -147,6 +152,8 @@ class Recurrence:
     def _walls(self, start: datetime, *, backwards: bool) -> Iterator[datetime]:
         """Matching naive wall times after ``start`` (before it when ``backwards``)."""
         fields = self._fields
+        if any(_RANDOM.fullmatch(part) for f in fields for part in f.split(",")):
+            raise RecurrenceError("a random field (R) would fire at other times on every read")
         try:
             it = croniter(
                 " ".join(fields), start, ret_type=datetime, second_at_beginning=len(fields) == 6

@@ -377,6 +377,7 @@ def statements_seen(pgtask_engine: Engine) -> Iterator[list[str]]:
         ({"cron": "* * * * *", "every": 60}, "cron"),
         ({}, "cron"),
         ({"cron": "* * * * *", "timezone": "Mars/Olympus_Mons"}, "timezone"),
+        ({"cron": "R R * * *"}, "cron"),
         ({"every": 0.5}, "every"),
         ({"every": float("nan")}, "every"),
         ({"every": 60, "timezone": "Europe/Berlin"}, "timezone"),
