@@ -64,24 +64,27 @@ def _kept_and_finished(
     ]
 
 
-def _start_pair(db: Database, workers: WorkerLauncher) -> tuple[WorkerProcess, WorkerProcess]:
-    """A rescuer that knows the victim alive, and the victim running a task of its own."""
+def _start_pair(
+    db: Database, workers: WorkerLauncher
+) -> tuple[WorkerProcess, uuid.UUID, Callable[[], str]]:
+    """A rescuer that knows the victim alive, and the victim running a task of its own: the
+    victim, its task, and a description of both workers for failure messages."""
     rescuer = workers.start(lease=LEASE, concurrency=1)
     [blocker] = db.enqueue("job", {"until": "rescuer-free"}, count=1)
     wait_until(lambda: _running_on(db, blocker, rescuer), 20,
                message="the rescuer to be busy", describe=describe_all([rescuer]))
     victim = workers.start(lease=LEASE, concurrency=1)
-    return rescuer, victim
+    everyone = describe_all([rescuer, victim])
+    [task_id] = db.enqueue("job", {"until": "done"}, count=1)
+    wait_until(lambda: _running_on(db, task_id, victim), 20,
+               message="the victim to run the task", describe=everyone)
+    return victim, task_id, everyone
 
 
 def test_a_worker_whose_connections_were_all_terminated_keeps_its_running_task(
     db: Database, workers: WorkerLauncher
 ) -> None:
-    rescuer, victim = _start_pair(db, workers)
-    everyone = describe_all([rescuer, victim])
-    [task_id] = db.enqueue("job", {"until": "done"}, count=1)
-    wait_until(lambda: _running_on(db, task_id, victim), 20,
-               message="the victim to run the task", describe=everyone)
+    victim, task_id, everyone = _start_pair(db, workers)
     holders = _holders(db, victim)
     assert terminate_backends(db, holders) >= 2
     # Back within moments, holding its lock on new connections.
@@ -101,11 +104,7 @@ def test_a_worker_that_cannot_reconnect_for_a_moment_keeps_its_running_task(
 ) -> None:
     # Every connection of the victim ended, and for a second and a half the server refuses
     # new ones (as when it is at max_connections): the rescuer's own session lives on.
-    rescuer, victim = _start_pair(db, workers)
-    everyone = describe_all([rescuer, victim])
-    [task_id] = db.enqueue("job", {"until": "done"}, count=1)
-    wait_until(lambda: _running_on(db, task_id, victim), 20,
-               message="the victim to run the task", describe=everyone)
+    victim, task_id, everyone = _start_pair(db, workers)
     name = make_url(db.url).database
     holders = _holders(db, victim)
     admin = Database(pgtask_server.url)

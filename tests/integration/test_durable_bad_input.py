@@ -9,6 +9,7 @@ run, and a replay raises the same errors and returns the same values as the firs
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -36,11 +37,11 @@ def _outcome(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-async def _async_calls(ctx: TaskContext, seen: list[Any]) -> list[Any]:
-    """Each durable call that takes arguments: first with a bad one, then corrected, same key;
-    what happened goes into ``seen`` as it happens."""
-    bad_calls: list[tuple[str, Any]] = [
-        ("step", lambda: ctx.step("s", 42)),  # type: ignore[call-overload]
+def _bad_calls(ctx: Any) -> list[tuple[str, Callable[[], Any]]]:
+    """Each durable call that takes arguments, with a bad one (the context is untyped here:
+    the calls are wrong on purpose). An ``async def`` handler's context returns awaitables."""
+    return [
+        ("step", lambda: ctx.step("s", 42)),
         ("sleep_for", lambda: ctx.sleep_for("z", -1)),
         ("sleep_until", lambda: ctx.sleep_until("u", datetime(2000, 1, 1))),
         ("wait_for_signal", lambda: ctx.wait_for_signal("w", "bad name!")),
@@ -50,6 +51,12 @@ async def _async_calls(ctx: TaskContext, seen: list[Any]) -> list[Any]:
         ("spawn", lambda: ctx.spawn("c", "child", priority="high")),
         ("wait_for_result", lambda: ctx.wait_for_result("r", "not a uuid")),
     ]
+
+
+async def _async_calls(ctx: TaskContext, seen: list[Any]) -> list[Any]:
+    """Each durable call that takes arguments: first with a bad one, then corrected, same key;
+    what happened goes into ``seen`` as it happens."""
+    bad_calls = _bad_calls(ctx)
     for call, make in bad_calls[:8]:
         try:
             await make()
@@ -71,17 +78,7 @@ async def _async_calls(ctx: TaskContext, seen: list[Any]) -> list[Any]:
 
 def _sync_calls(ctx: SyncTaskContext, seen: list[Any]) -> list[Any]:
     """`_async_calls` for a ``def`` handler."""
-    bad_calls: list[tuple[str, Any]] = [
-        ("step", lambda: ctx.step("s", 42)),  # type: ignore[arg-type]
-        ("sleep_for", lambda: ctx.sleep_for("z", -1)),
-        ("sleep_until", lambda: ctx.sleep_until("u", datetime(2000, 1, 1))),
-        ("wait_for_signal", lambda: ctx.wait_for_signal("w", "bad name!")),
-        ("wait_for_signal", lambda: ctx.wait_for_signal("w", "go", timeout=-1)),
-        ("spawn", lambda: ctx.spawn("c", "child", {1, 2})),
-        ("spawn", lambda: ctx.spawn("c", "child", nope=1)),
-        ("spawn", lambda: ctx.spawn("c", "child", priority="high")),
-        ("wait_for_result", lambda: ctx.wait_for_result("r", "not a uuid")),
-    ]
+    bad_calls = _bad_calls(ctx)
     for call, make in bad_calls[:8]:
         try:
             make()
