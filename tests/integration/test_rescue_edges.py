@@ -1,4 +1,5 @@
-"""Instant rescue at its edges: the database clock moved, and workers already rescued.
+"""Instant rescue at its edges: the database clock moved, workers already rescued, and
+workers whose sessions the server ended (alive, perhaps, and refused new connections).
 
 The rules of `worker._maintenance.Rescue` are checked one pass at a time with the plain
 connections of `tests.integration.test_rescue.FakeWorker` standing in for a worker's.
@@ -79,3 +80,47 @@ async def test_a_rescued_worker_is_not_looked_for_again_on_every_pass(
     assert state_of(pgtask_engine, task_id) == ("pending", 1, None)
     for _ in range(3):
         assert await service.run_once(rescuer) is None
+
+
+async def test_a_worker_whose_sessions_the_server_ended_is_left_to_its_lease(
+    pgtask_engine: Engine, rescuer: AsyncConnection
+) -> None:
+    # Every session terminated by the server, and none back for many passes (as while the
+    # server refuses new connections): the worker may well be alive, its handler running.
+    service = Rescue(interval=0.5, batch_size=100)
+    worker = FakeWorker(pgtask_engine, 4246)
+    worker.connect()
+    worker.connect()
+    task_id = worker.running_task()
+    await service.run_once(rescuer)
+    worker.lose_sessions()
+    for _ in range(6):
+        await service.run_once(rescuer)
+    assert state_of(pgtask_engine, task_id) == ("running", 0, worker.id)
+    # Back, and seen alive again: a process that goes away now is rescued as usual.
+    worker.connect()
+    await service.run_once(rescuer)
+    worker.die()
+    assert await service.run_once(rescuer) == 0.25
+    await service.run_once(rescuer)
+    assert state_of(pgtask_engine, task_id) == ("pending", 1, None)
+
+
+async def test_a_session_the_server_ended_elsewhere_in_the_database_delays_a_rescue_to_the_lease(
+    pgtask_engine: Engine, rescuer: AsyncConnection
+) -> None:
+    # PostgreSQL counts sessions by how they ended per database, not per worker: one the
+    # server ended at the same moment as a worker went away leaves that worker to its lease
+    # (later, never wrong), and the worker is not looked for again on every pass.
+    service = Rescue(interval=0.5, batch_size=100)
+    worker = FakeWorker(pgtask_engine, 4247)
+    bystander = FakeWorker(pgtask_engine, 4248)
+    worker.connect()
+    bystander.connect()
+    task_id = worker.running_task()
+    await service.run_once(rescuer)
+    worker.die()
+    bystander.lose_sessions()
+    await service.run_once(rescuer)
+    assert await service.run_once(rescuer) is None
+    assert state_of(pgtask_engine, task_id) == ("running", 0, worker.id)
