@@ -13,6 +13,7 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from sqlalchemy_pgtask.statements.rescue import WORKER_LOCKS, WORKER_LOCKS_WITHOUT_ENDINGS
 from sqlalchemy_pgtask.testing import DatabaseClock
 from sqlalchemy_pgtask.worker._maintenance import Rescue
 from tests.integration.test_rescue import FakeWorker, state_of
@@ -124,3 +125,18 @@ async def test_a_session_the_server_ended_elsewhere_in_the_database_delays_a_res
     await service.run_once(rescuer)
     assert await service.run_once(rescuer) is None
     assert state_of(pgtask_engine, task_id) == ("running", 0, worker.id)
+
+
+async def test_the_look_for_postgresql_13_reads_the_locks_without_the_count_of_ended_sessions(
+    pgtask_engine: Engine, rescuer: AsyncConnection
+) -> None:
+    # PostgreSQL 13 has no count of how sessions ended: ``ended`` is NULL, and the verdict
+    # is the two-pass rule alone.
+    worker = FakeWorker(pgtask_engine, 4249)
+    worker.connect()
+    state = (await rescuer.execute(WORKER_LOCKS_WITHOUT_ENDINGS)).one()
+    assert state.ended is None
+    assert worker.id in state.holding
+    counted = (await rescuer.execute(WORKER_LOCKS)).one()
+    assert isinstance(counted.ended, int)
+    worker.die()
