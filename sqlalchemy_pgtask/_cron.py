@@ -1,4 +1,5 @@
-"""_cron: when a schedule's occurrences fall, and what a missed one becomes; pure, no I/O.
+"""_cron: when a schedule's occurrences fall; pure, no I/O (what a late one becomes is
+`sqlalchemy_pgtask._misfire`'s).
 
 Cron expressions are parsed and matched by ``croniter`` (5 fields, or 6 with seconds first),
 always on naive wall-clock times of the schedule's time zone; this module maps those wall
@@ -32,20 +33,14 @@ from sqlalchemy_pgtask.errors import InvalidOptionError
 from sqlalchemy_pgtask.validation import DURATION_MAX_SECONDS
 
 __all__ = [
-    "MISFIRE_GRACE",
-    "Occurrences",
     "Recurrence",
     "RecurrenceError",
     "check_cron",
     "check_interval",
     "check_timezone",
-    "plan_occurrences",
 ]
 
 UTC: Final = timezone.utc
-#: How late an occurrence may be materialised and still count as on time (misfire ``skip``):
-#: this, or half the time to the next occurrence if that is shorter.
-MISFIRE_GRACE: Final = timedelta(seconds=60)
 #: Shorthands expanded before parsing.
 _MACROS: Final = {
     "@yearly": "0 0 1 1 *", "@annually": "0 0 1 1 *", "@monthly": "0 0 1 * *",
@@ -274,52 +269,3 @@ class Recurrence:
             except RecurrenceError:  # no more of them: the calendar ends (year 9999) first
                 break
         return found[:count]
-
-
-@dataclass(frozen=True)
-class Occurrences:
-    """What one materialisation of a due schedule does."""
-
-    #: The occurrences to create tasks for, oldest first.
-    due: list[datetime]
-    #: The cursor once they exist.
-    next_run_at: datetime
-    #: Whether older missed occurrences were dropped by the policy.
-    dropped: bool
-
-
-def plan_occurrences(
-    recurrence: Recurrence,
-    *,
-    cursor: datetime,
-    now: datetime,
-    misfire: str,
-    catch_up_limit: int | None,
-    previous_active: bool,
-    overlap: str = "allow",
-    waiting: bool = False,
-) -> Occurrences:
-    """Apply the misfire and overlap policies to a schedule whose cursor is due (<= now).
-
-    ``waiting``: the cursor is an occurrence that was on time but found its queue full; it
-    stays due until a newer occurrence falls due, whatever ``skip``'s grace says.
-    """
-    following = recurrence.next_after(now, cursor)
-    latest = max(recurrence.latest(now, cursor), cursor)
-    if previous_active:  # overlap "skip": the previous occurrence's task is still active
-        return Occurrences([], following, dropped=True)
-    if misfire == "skip":
-        grace = min(MISFIRE_GRACE, (recurrence.next_after(latest, cursor) - latest) / 2)
-        on_time = now - latest <= grace or (waiting and latest == cursor)
-        due = [latest] if on_time else []
-        return Occurrences(due, following, dropped=latest > cursor or not due)
-    if misfire == "catch_up":
-        # Overlap "skip": occurrences must not run side by side, so one at a time.
-        limit = 1 if overlap == "skip" else catch_up_limit or 1
-        due = [latest]
-        while len(due) < limit and due[-1] > cursor:
-            due.append(max(recurrence.latest(due[-1] - _TICK, cursor), cursor))
-        due.reverse()
-        return Occurrences(due, following, dropped=due[0] > cursor)
-    return Occurrences([latest], following, dropped=latest > cursor)
-

@@ -15,7 +15,8 @@ from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from sqlalchemy_pgtask import Task
-from sqlalchemy_pgtask._cron import Recurrence, plan_occurrences
+from sqlalchemy_pgtask._cron import Recurrence
+from sqlalchemy_pgtask._misfire import plan_occurrences
 from sqlalchemy_pgtask.schedule import get_schedule, materialize_schedules, set_schedule
 from sqlalchemy_pgtask.testing import DatabaseClock
 

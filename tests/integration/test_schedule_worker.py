@@ -23,10 +23,12 @@ from sqlalchemy_pgtask.schedule import (
     resume_schedule_async,
     set_schedule_async,
 )
+from sqlalchemy_pgtask.statements import NOW
 from sqlalchemy_pgtask.testing import DatabaseClock, running_worker, wait_until
 from sqlalchemy_pgtask.worker._maintenance import MaintenanceRunner
 from sqlalchemy_pgtask.worker._reconnect import HeldConnection
 from sqlalchemy_pgtask.worker._schedule import Schedules, reconcile_schedules
+from tests.support.waiting import PATIENCE, SLOW_POLL
 
 UTC = timezone.utc
 T0 = datetime(2030, 6, 3, 10, 0, 30, tzinfo=UTC)
@@ -170,6 +172,39 @@ async def test_a_worker_reconciles_its_declared_schedules_at_start_and_runs_them
         ).scalar_one()
     assert declared is True
     assert await scheduled(pgtask_async_engine, "pulse")
+
+
+async def test_a_new_schedule_wakes_a_worker_resting_for_its_interval(
+    pgtask_async_engine: AsyncEngine,
+) -> None:
+    # The materialiser rests for ten minutes (SLOW_POLL) once nothing is due: the first
+    # occurrence of a schedule created meanwhile gets its task within PATIENCE only because
+    # set_schedule's commit notified the workers.
+    registry = Registry()
+
+    @registry.task("pulse-job")
+    async def pulse(ctx: object, payload: object) -> None:
+        return None
+
+    async with AsyncSession(pgtask_async_engine) as session:
+        now = (await session.execute(select(NOW))).scalar_one()
+        await set_schedule_async(session, "marker", task="other", every=3600,
+                                 start_at=now - timedelta(seconds=1))
+        await session.commit()
+    options = WorkerOptions(lease_duration=3.0, schedule_interval=SLOW_POLL)
+    async with running_worker(registry, pgtask_async_engine, options):
+        async def rested() -> bool:  # its first pass is over: nothing is due for an hour
+            return bool(await scheduled(pgtask_async_engine, "marker"))
+
+        await wait_until(rested, PATIENCE, message="the first pass")
+        async with AsyncSession(pgtask_async_engine) as session:
+            info = await set_schedule_async(session, "pulse", task="pulse-job", every=1)
+            await session.commit()
+
+        async def first() -> bool:
+            return info.next_run_at in await scheduled(pgtask_async_engine, "pulse")
+
+        await wait_until(first, PATIENCE, message="the first occurrence's task")
 
 
 def test_declaring_a_schedule_checks_its_options_at_import_time() -> None:
