@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Final
 
-from sqlalchemy import Connection, text
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from sqlalchemy_pgtask.registry import Registry
 from sqlalchemy_pgtask.schedule import (
     MaterializeReport,
     ScheduleInfo,
-    materialize_schedules,
+    materialize_schedules_async,
     write_declared,
 )
 from sqlalchemy_pgtask.statements.schedule import SECONDS_UNTIL_NEXT_SCHEDULE
@@ -35,22 +35,20 @@ logger = logging.getLogger("sqlalchemy_pgtask.worker")
 _HELD_RETRY: Final = 0.5
 
 
-@contextlib.contextmanager
-def _transaction(connection: Connection) -> Iterator[None]:
-    """An explicit transaction on the worker's autocommit connection."""
-    connection.execute(text("BEGIN"))
+async def _pass(
+    connection: AsyncConnection, limit: int, exclude: Sequence[str]
+) -> MaterializeReport:
+    """One materialisation transaction on the worker's autocommit connection (its
+    occurrences computed in a thread, off the event loop: `materialize_schedules_async`)."""
+    await connection.execute(text("BEGIN"))
     try:
-        yield
+        report = await materialize_schedules_async(connection, limit=limit, exclude=exclude)
     except BaseException:
         with contextlib.suppress(Exception):
-            connection.execute(text("ROLLBACK"))
+            await connection.execute(text("ROLLBACK"))
         raise
-    connection.execute(text("COMMIT"))
-
-
-def _pass(connection: Connection, limit: int, exclude: Sequence[str]) -> MaterializeReport:
-    with _transaction(connection):
-        return materialize_schedules(connection, limit=limit, exclude=exclude)
+    await connection.execute(text("COMMIT"))
+    return report
 
 
 class Schedules:
@@ -73,7 +71,7 @@ class Schedules:
             seconds = await self._until_next(connection, skipped)
             if seconds is None or seconds > 0:
                 return seconds
-            report = await connection.run_sync(_pass, self._batch, list(skipped))
+            report = await _pass(connection, self._batch, list(skipped))
             if report.created:
                 logger.info("materialised %d scheduled task(s)", report.created)
             skipped.extend(report.waiting)
