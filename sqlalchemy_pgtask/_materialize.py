@@ -21,8 +21,12 @@ Failures stay with their schedule:
   refuses) rolls the savepoint back, records ``last_error`` and moves the cursor to the
   first occurrence at least `FAILURE_RETRY` after now (the occurrences in between are not
   created), so a broken schedule is retried about once a minute, not on every pass;
-* a transient failure (connection, lock or statement timeout, serialisation) aborts the
-  whole transaction: nothing of it commits, and the next pass tries again.
+* a schedule held back by another transaction (its insert waited past ``lock_timeout`` for a
+  capped queue's row, ran past ``statement_timeout``, deadlocked) rolls its savepoint back,
+  keeps its cursor, notes why in ``last_error`` and is reported ``held``: the others in the
+  batch go on, and a later pass tries it again (the worker after a growing rest);
+* a lost connection aborts the whole transaction: nothing of it commits, and the next pass
+  tries again.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from sqlalchemy_pgtask._enqueue_plan import new_ids
 from sqlalchemy_pgtask._failures import brief, is_transient
 from sqlalchemy_pgtask._misfire import Occurrences, plan_occurrences
 from sqlalchemy_pgtask.statements import NOW
-from sqlalchemy_pgtask.statements.schedule import ADVANCE, DUE_SCHEDULES, MATERIALIZE
+from sqlalchemy_pgtask.statements.schedule import ADVANCE, DUE_SCHEDULES, MATERIALIZE, NOTE_ERROR
 
 __all__ = [
     "FAILURE_RETRY", "MaterializeReport", "Planned", "apply_plans", "lock_due", "materialize_in",
@@ -59,6 +63,12 @@ _ERROR_MAX: Final = 1000
 #: How ``last_error`` of a schedule whose occurrence waits for room starts: the next pass
 #: keeps that occurrence due (`plan_occurrences`' ``waiting``).
 _WAITING: Final = "waiting for room: "
+#: How ``last_error`` of a schedule held back by another transaction starts.
+_HELD_BACK: Final = "held back: "
+#: What stops one schedule for now, not the pass: a lock another transaction holds past
+#: ``lock_timeout`` (55P03), a statement past ``statement_timeout`` (57014), a deadlock
+#: (40P01), a serialisation failure (40001). Its savepoint rolls back, its cursor stays.
+_HELD: Final = frozenset({"55P03", "57014", "40P01", "40001"})
 
 
 @dataclass
@@ -73,6 +83,9 @@ class MaterializeReport:
     waiting: list[str] = field(default_factory=list)
     #: Schedules whose failure was recorded in ``last_error``.
     failed: list[str] = field(default_factory=list)
+    #: Schedules held back by another transaction (a lock, a timeout): cursor unchanged,
+    #: the reason in ``last_error``; a later pass tries again.
+    held: list[str] = field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -247,14 +260,39 @@ def _materialize_one(
         with _savepoint(connection):
             report.created += _insert(connection, name, plan.due, plan.next_run_at)
     except DBAPIError as exc:
-        if _sqlstate(exc) == _CAPACITY:
-            _wait_for_room(connection, row, plan, report, exc)
-        elif is_transient(exc) or _sqlstate(exc) == _PERMISSION_DENIED:
-            # Not this schedule's fault: a missing privilege is the deployment's to fix.
+        state = _sqlstate(exc)
+        if state == _CAPACITY:
+            try:
+                _wait_for_room(connection, row, plan, report, exc)
+            except DBAPIError as again:
+                if _sqlstate(again) not in _HELD:
+                    raise
+                _set_aside(connection, row, again, report)
+        elif state in _HELD:
+            _set_aside(connection, row, exc, report)
+        elif is_transient(exc) or state == _PERMISSION_DENIED:
+            # Not this schedule's fault: a lost connection ends the pass, and a missing
+            # privilege is the deployment's to fix.
             raise
         else:
             _fail(connection, row, _retry_cursor(row, recurrence, now),
                   f"the database refused its task: {brief(exc)}", report)
+
+
+def _set_aside(
+    connection: Connection, row: Mapping[Any, Any], exc: DBAPIError, report: MaterializeReport
+) -> None:
+    """Another transaction holds what this schedule's insert needs (a capped queue's row, a
+    task it references ...): leave it for a later pass, and let the batch go on."""
+    reason = brief(exc)
+    logger.warning(
+        "schedule %r held back (%s); its occurrences wait for a later pass", row["name"], reason
+    )
+    if not (row["last_error"] or "").startswith(_WAITING):  # keep "waiting" for the grace
+        connection.execute(
+            NOTE_ERROR, {"schedule": row["name"], "error": f"{_HELD_BACK}{reason}"[:_ERROR_MAX]}
+        )
+    report.held.append(row["name"])
 
 
 def apply_plans(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from typing import Final
 
@@ -33,6 +34,9 @@ logger = logging.getLogger("sqlalchemy_pgtask.worker")
 
 #: Seconds before looking again at due schedules another materialiser held.
 _HELD_RETRY: Final = 0.5
+#: The first and the longest rest of a schedule another transaction holds back.
+_HELD_REST_FIRST: Final = 1.0
+_HELD_REST_MAX: Final = 30.0
 
 
 async def _pass(
@@ -60,28 +64,52 @@ class Schedules:
         #: The longest sleep: bounds how late a schedule created meanwhile is noticed.
         self.interval = interval
         self._batch = batch_size
+        #: Schedules held back by another transaction: (monotonic time they rest until,
+        #: the length of that rest). Each try costs up to a lock or statement timeout, so
+        #: the rest doubles while they stay held, up to `_HELD_REST_MAX`.
+        self._resting: dict[str, tuple[float, float]] = {}
 
     async def run_once(self, connection: AsyncConnection) -> float | None:
         """One pass on an autocommit connection; each batch is its own transaction.
 
         Looks before it locks: with nothing due, a pass is one read of ``ix_schedules_due``.
         """
-        skipped: list[str] = []  # waiting for room in their queue: not again this pass
+        now = time.monotonic()
+        tried = {name for name, (until, _) in self._resting.items() if until <= now}
+        # Waiting for room in their queue, or held back: not again this pass.
+        skipped = [name for name in self._resting if name not in tried]
+        held: set[str] = set()
+        seconds = await self._until_next(connection, skipped)
         for _ in range(MAX_BATCHES_PER_PASS):
-            seconds = await self._until_next(connection, skipped)
             if seconds is None or seconds > 0:
-                return seconds
+                break
             report = await _pass(connection, self._batch, list(skipped))
             if report.created:
                 logger.info("materialised %d scheduled task(s)", report.created)
-            skipped.extend(report.waiting)
-            if report.selected < self._batch:
+            skipped.extend(report.waiting + report.held)
+            held.update(report.held)
+            seconds = await self._until_next(connection, skipped)
+            if report.selected < self._batch and seconds is not None and seconds <= 0:
+                # Still due: held by another materialiser, or more than one pass could take.
+                seconds = min(self.interval, _HELD_RETRY)
                 break
-        seconds = await self._until_next(connection, skipped)
-        if seconds is not None and seconds <= 0:
-            # Still due: held by another materialiser, or more than one pass could take.
-            return min(self.interval, _HELD_RETRY)
+        else:
+            if seconds is not None and seconds <= 0:
+                seconds = min(self.interval, _HELD_RETRY)
+        self._rest(held, tried)
+        if self._resting:
+            until = max(0.0, min(until for until, _ in self._resting.values()) - time.monotonic())
+            seconds = until if seconds is None else min(seconds, until)
         return seconds
+
+    def _rest(self, held: set[str], tried: set[str]) -> None:
+        for name in tried - held:  # tried again and not held: back to normal
+            del self._resting[name]
+        for name in sorted(held):
+            previous = self._resting.get(name)
+            rest = _HELD_REST_FIRST if previous is None else min(_HELD_REST_MAX, 2 * previous[1])
+            self._resting[name] = (time.monotonic() + rest, rest)
+            logger.info("schedule %r rests %.1fs before it is tried again", name, rest)
 
     @staticmethod
     async def _until_next(connection: AsyncConnection, skipped: list[str]) -> float | None:
