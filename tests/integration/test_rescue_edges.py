@@ -7,6 +7,7 @@ connections of `tests.integration.test_rescue.FakeWorker` standing in for a work
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 
 import pytest
@@ -24,6 +25,19 @@ async def rescuer(pgtask_async_engine: AsyncEngine) -> AsyncIterator[AsyncConnec
     auto = pgtask_async_engine.execution_options(isolation_level="AUTOCOMMIT")
     async with auto.connect() as conn:
         yield conn
+
+
+async def watched(
+    engine: Engine, rescuer: AsyncConnection, key: int, connections: int = 1
+) -> tuple[Rescue, FakeWorker, uuid.UUID]:
+    """A rescue service that has seen a worker (``connections`` of its own) run a task."""
+    service = Rescue(interval=0.5, batch_size=100)
+    worker = FakeWorker(engine, key)
+    for _ in range(connections):
+        worker.connect()
+    task_id = worker.running_task()
+    await service.run_once(rescuer)
+    return service, worker, task_id
 
 
 async def test_a_clock_moved_back_does_not_make_a_worker_never_seen_alive_look_registered_since(
@@ -70,11 +84,7 @@ async def test_a_rescued_worker_is_not_looked_for_again_on_every_pass(
     # Once a dead worker's tasks are taken back, nothing of it is left to rescue: the pass
     # goes back to its interval instead of running at twice its rate (and the rescue
     # statement on every pass) until the worker's row is pruned an hour later.
-    service = Rescue(interval=0.5, batch_size=100)
-    worker = FakeWorker(pgtask_engine, 4245)
-    worker.connect()
-    task_id = worker.running_task()
-    await service.run_once(rescuer)
+    service, worker, task_id = await watched(pgtask_engine, rescuer, 4245)
     worker.die()
     assert await service.run_once(rescuer) == 0.25  # missing once: look again soon
     await service.run_once(rescuer)  # missing twice: rescued
@@ -88,12 +98,7 @@ async def test_a_worker_whose_sessions_the_server_ended_is_left_to_its_lease(
 ) -> None:
     # Every session terminated by the server, and none back for many passes (as while the
     # server refuses new connections): the worker may well be alive, its handler running.
-    service = Rescue(interval=0.5, batch_size=100)
-    worker = FakeWorker(pgtask_engine, 4246)
-    worker.connect()
-    worker.connect()
-    task_id = worker.running_task()
-    await service.run_once(rescuer)
+    service, worker, task_id = await watched(pgtask_engine, rescuer, 4246, connections=2)
     worker.lose_sessions()
     for _ in range(6):
         await service.run_once(rescuer)
@@ -113,13 +118,9 @@ async def test_a_session_the_server_ended_elsewhere_in_the_database_delays_a_res
     # PostgreSQL counts sessions by how they ended per database, not per worker: one the
     # server ended at the same moment as a worker went away leaves that worker to its lease
     # (later, never wrong), and the worker is not looked for again on every pass.
-    service = Rescue(interval=0.5, batch_size=100)
-    worker = FakeWorker(pgtask_engine, 4247)
     bystander = FakeWorker(pgtask_engine, 4248)
-    worker.connect()
     bystander.connect()
-    task_id = worker.running_task()
-    await service.run_once(rescuer)
+    service, worker, task_id = await watched(pgtask_engine, rescuer, 4247)
     worker.die()
     bystander.lose_sessions()
     await service.run_once(rescuer)
