@@ -1,4 +1,5 @@
-"""_cron: when a schedule's occurrences fall, and what a missed one becomes; pure, no I/O.
+"""_cron: when a schedule's occurrences fall; pure, no I/O (what a late one becomes is
+`sqlalchemy_pgtask._misfire`'s).
 
 Cron expressions are parsed and matched by ``croniter`` (5 fields, or 6 with seconds first),
 always on naive wall-clock times of the schedule's time zone; this module maps those wall
@@ -32,20 +33,14 @@ from sqlalchemy_pgtask.errors import InvalidOptionError
 from sqlalchemy_pgtask.validation import DURATION_MAX_SECONDS
 
 __all__ = [
-    "MISFIRE_GRACE",
-    "Occurrences",
     "Recurrence",
     "RecurrenceError",
     "check_cron",
     "check_interval",
     "check_timezone",
-    "plan_occurrences",
 ]
 
 UTC: Final = timezone.utc
-#: How late an occurrence may be materialised and still count as on time (misfire ``skip``):
-#: this, or half the time to the next occurrence if that is shorter.
-MISFIRE_GRACE: Final = timedelta(seconds=60)
 #: Shorthands expanded before parsing.
 _MACROS: Final = {
     "@yearly": "0 0 1 1 *", "@annually": "0 0 1 1 *", "@monthly": "0 0 1 * *",
@@ -56,6 +51,10 @@ _MACROS: Final = {
 #: needs 3,600; a year of a sparse one, a handful).
 _MAX_STEPS: Final = 200_000
 _SECOND: Final = timedelta(seconds=1)
+#: How far a search for an occurrence looks before it gives up (croniter's own bound).
+_HORIZON: Final = timedelta(days=50 * 366)
+_FIRST: Final = datetime.min
+_LAST: Final = datetime.max
 #: croniter's random field (``R``, ``R(0-29)``, ``R/5``): it draws anew every time the
 #: expression is parsed, so the cursor, the misfire decision and the listed occurrences
 #: would each see another schedule. Refused.
@@ -175,6 +174,26 @@ class Recurrence:
         assert second is not None
         return first, second
 
+    def _transition(self, wall: datetime) -> datetime:
+        """The instant the new offset starts, for a wall time in a gap (spring forward),
+        found by bisection between the wall time's two readings to the microsecond."""
+        first, second = self._offsets(wall)
+        naive = wall.replace(fold=0, tzinfo=UTC)
+        low, high = naive - second, naive - first
+        while high - low > _TICK:
+            middle = low + (high - low) / 2
+            if middle.astimezone(self.zone).utcoffset() == second:
+                high = middle
+            else:
+                low = middle
+        return high
+
+    def _gap(self, wall: datetime) -> tuple[datetime, datetime]:
+        """The first wall time of the gap ``wall`` falls in, and the first after it."""
+        at = self._transition(wall)
+        first, second = self._offsets(wall)
+        return (at + first).replace(tzinfo=None), (at + second).replace(tzinfo=None)
+
     def _instants(self, wall: datetime) -> tuple[datetime | None, datetime | None]:
         """The instant a wall time runs at (None: it does not), and its second-pass instant
         in an overlap (wildcard expressions only)."""
@@ -186,16 +205,8 @@ class Recurrence:
             return naive - first, (naive - second if self._wildcard else None)
         if self._wildcard:  # does not exist
             return None, None
-        # Fixed time in a gap: the first instant of the new offset, found by bisection
-        # between the two readings of the wall time.
-        low, high = naive - second, naive - first
-        while high - low > _SECOND:
-            middle = low + (high - low) / 2
-            if middle.astimezone(self.zone).utcoffset() == second:
-                high = middle
-            else:
-                low = middle
-        return high.replace(microsecond=0), None
+        # Fixed time in a gap: the first instant of the new offset.
+        return self._transition(wall).replace(microsecond=0), None
 
     def _wall_of(self, instant: datetime) -> datetime:
         return instant.astimezone(self.zone).replace(tzinfo=None, fold=0)
@@ -208,30 +219,46 @@ class Recurrence:
         wall = self._wall_of(after)
         if self._wildcard:
             wall -= self._overlap(wall)  # earlier walls' second passes may still come
+        horizon = wall + _HORIZON if wall < _LAST - _HORIZON else _LAST
         best: datetime | None = None
-        for candidate in self._walls(wall.replace(microsecond=0) - _SECOND, backwards=False):
-            first, second = self._instants(candidate)
-            if second is not None and second > after and (best is None or second < best):
-                best = second
-            if first is not None and first > after:
-                return first if best is None else min(first, best)
-        raise AssertionError("unreachable")
+        start = wall.replace(microsecond=0) - _SECOND
+        while True:
+            for candidate in self._walls(start, backwards=False):
+                if candidate > horizon:
+                    raise RecurrenceError("it has no occurrence within 50 years")
+                first, second = self._instants(candidate)
+                if first is None and second is None:
+                    # A wildcard wall in a gap: so is every wall up to its end. Jump there,
+                    # not one wall at a time (an hour of seconds, every year for 50 years).
+                    start = self._gap(candidate)[1] - _SECOND
+                    break
+                if second is not None and second > after and (best is None or second < best):
+                    best = second
+                if first is not None and first > after:
+                    return first if best is None else min(first, best)
 
     def _cron_latest(self, at: datetime) -> datetime:
         wall = self._wall_of(at)
         wall += self._overlap(wall)  # later walls' first passes may already have come
+        horizon = wall - _HORIZON if wall > _FIRST + _HORIZON else _FIRST
         found: datetime | None = None
-        for candidate in self._walls(wall.replace(microsecond=0) + _SECOND, backwards=True):
-            first, second = self._instants(candidate)
-            if second is not None and second <= at:
-                return second if found is None else max(found, second)
-            if found is not None and (second is None or second <= found):
-                return found
-            if first is not None and first <= at and found is None:
-                found = first
-                if second is None and not self._overlap(candidate):
+        start = wall.replace(microsecond=0) + _SECOND
+        while True:
+            for candidate in self._walls(start, backwards=True):
+                if candidate < horizon:
+                    raise RecurrenceError("it has no occurrence within 50 years")
+                first, second = self._instants(candidate)
+                if first is None and second is None:
+                    start = self._gap(candidate)[0]  # the walls before the gap exist
+                    break
+                if second is not None and second <= at:
+                    return second if found is None else max(found, second)
+                if found is not None and (second is None or second <= found):
                     return found
-        raise AssertionError("unreachable")
+                if first is not None and first <= at and found is None:
+                    found = first
+                    if second is None and not self._overlap(candidate):
+                        return found
 
     # -- both kinds ----------------------------------------------------------------------
 
@@ -274,52 +301,3 @@ class Recurrence:
             except RecurrenceError:  # no more of them: the calendar ends (year 9999) first
                 break
         return found[:count]
-
-
-@dataclass(frozen=True)
-class Occurrences:
-    """What one materialisation of a due schedule does."""
-
-    #: The occurrences to create tasks for, oldest first.
-    due: list[datetime]
-    #: The cursor once they exist.
-    next_run_at: datetime
-    #: Whether older missed occurrences were dropped by the policy.
-    dropped: bool
-
-
-def plan_occurrences(
-    recurrence: Recurrence,
-    *,
-    cursor: datetime,
-    now: datetime,
-    misfire: str,
-    catch_up_limit: int | None,
-    previous_active: bool,
-    overlap: str = "allow",
-    waiting: bool = False,
-) -> Occurrences:
-    """Apply the misfire and overlap policies to a schedule whose cursor is due (<= now).
-
-    ``waiting``: the cursor is an occurrence that was on time but found its queue full; it
-    stays due until a newer occurrence falls due, whatever ``skip``'s grace says.
-    """
-    following = recurrence.next_after(now, cursor)
-    latest = max(recurrence.latest(now, cursor), cursor)
-    if previous_active:  # overlap "skip": the previous occurrence's task is still active
-        return Occurrences([], following, dropped=True)
-    if misfire == "skip":
-        grace = min(MISFIRE_GRACE, (recurrence.next_after(latest, cursor) - latest) / 2)
-        on_time = now - latest <= grace or (waiting and latest == cursor)
-        due = [latest] if on_time else []
-        return Occurrences(due, following, dropped=latest > cursor or not due)
-    if misfire == "catch_up":
-        # Overlap "skip": occurrences must not run side by side, so one at a time.
-        limit = 1 if overlap == "skip" else catch_up_limit or 1
-        due = [latest]
-        while len(due) < limit and due[-1] > cursor:
-            due.append(max(recurrence.latest(due[-1] - _TICK, cursor), cursor))
-        due.reverse()
-        return Occurrences(due, following, dropped=due[0] > cursor)
-    return Occurrences([latest], following, dropped=latest > cursor)
-

@@ -2,12 +2,14 @@
 
 Any number of workers (or ``materialize_schedules`` callers) may run this at once:
 
-1. read database now (``pgtask.now()``) once;
-2. lock a batch of due, unpaused schedules ``FOR NO KEY UPDATE SKIP LOCKED`` (so concurrent
-   materialisers take different schedules and never wait for each other);
-3. per schedule, in its own savepoint: compute the occurrences in Python from that now
-   (misfire and overlap policies, `plan_occurrences`), insert their tasks and advance the
-   cursor in one statement. The unique ``(schedule_name, scheduled_for)`` index makes an
+1. read database now (``pgtask.now()``) once and lock a batch of due, unpaused schedules
+   ``FOR NO KEY UPDATE SKIP LOCKED`` (so concurrent materialisers take different schedules
+   and never wait for each other): `lock_due`;
+2. compute each one's occurrences in Python from that now (the grace, misfire and overlap
+   policies, `plan_occurrences`): `plan_due`, pure, which the worker runs in a thread so
+   that a slow expression never stalls its event loop;
+3. per schedule, in its own savepoint, insert their tasks and advance the cursor in one
+   statement: `apply_plans`. The unique ``(schedule_name, scheduled_for)`` index makes an
    occurrence that already has its task a no-op, so even a cursor moved back cannot
    duplicate one.
 
@@ -19,8 +21,12 @@ Failures stay with their schedule:
   refuses) rolls the savepoint back, records ``last_error`` and moves the cursor to the
   first occurrence at least `FAILURE_RETRY` after now (the occurrences in between are not
   created), so a broken schedule is retried about once a minute, not on every pass;
-* a transient failure (connection, lock or statement timeout, serialisation) aborts the
-  whole transaction: nothing of it commits, and the next pass tries again.
+* a schedule held back by another transaction (its insert waited past ``lock_timeout`` for a
+  capped queue's row, ran past ``statement_timeout``, deadlocked) rolls its savepoint back,
+  keeps its cursor, notes why in ``last_error`` and is reported ``held``: the others in the
+  batch go on, and a later pass tries it again (the worker after a growing rest);
+* a lost connection aborts the whole transaction: nothing of it commits, and the next pass
+  tries again.
 """
 
 from __future__ import annotations
@@ -35,13 +41,17 @@ from typing import Any, Final
 from sqlalchemy import Connection, select, text
 from sqlalchemy.exc import DBAPIError
 
-from sqlalchemy_pgtask._cron import Occurrences, Recurrence, RecurrenceError, plan_occurrences
+from sqlalchemy_pgtask._cron import Recurrence, RecurrenceError
 from sqlalchemy_pgtask._enqueue_plan import new_ids
 from sqlalchemy_pgtask._failures import brief, is_transient
+from sqlalchemy_pgtask._misfire import Occurrences, plan_occurrences
 from sqlalchemy_pgtask.statements import NOW
-from sqlalchemy_pgtask.statements.schedule import ADVANCE, DUE_SCHEDULES, MATERIALIZE
+from sqlalchemy_pgtask.statements.schedule import ADVANCE, DUE_SCHEDULES, MATERIALIZE, NOTE_ERROR
 
-__all__ = ["FAILURE_RETRY", "MaterializeReport", "materialize_in"]
+__all__ = [
+    "FAILURE_RETRY", "MaterializeReport", "Planned", "apply_plans", "lock_due", "materialize_in",
+    "plan_due",
+]
 
 logger = logging.getLogger("sqlalchemy_pgtask.schedule")
 
@@ -53,6 +63,12 @@ _ERROR_MAX: Final = 1000
 #: How ``last_error`` of a schedule whose occurrence waits for room starts: the next pass
 #: keeps that occurrence due (`plan_occurrences`' ``waiting``).
 _WAITING: Final = "waiting for room: "
+#: How ``last_error`` of a schedule held back by another transaction starts.
+_HELD_BACK: Final = "held back: "
+#: What stops one schedule for now, not the pass: a lock another transaction holds past
+#: ``lock_timeout`` (55P03), a statement past ``statement_timeout`` (57014), a deadlock
+#: (40P01), a serialisation failure (40001). Its savepoint rolls back, its cursor stays.
+_HELD: Final = frozenset({"55P03", "57014", "40P01", "40001"})
 
 
 @dataclass
@@ -67,6 +83,9 @@ class MaterializeReport:
     waiting: list[str] = field(default_factory=list)
     #: Schedules whose failure was recorded in ``last_error``.
     failed: list[str] = field(default_factory=list)
+    #: Schedules held back by another transaction (a lock, a timeout): cursor unchanged,
+    #: the reason in ``last_error``; a later pass tries again.
+    held: list[str] = field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -104,19 +123,25 @@ def _advance(connection: Connection, name: str, cursor: datetime, error: str | N
     connection.execute(ADVANCE, {"schedule": name, "cursor": cursor, "error": error})
 
 
+def _retry_cursor(row: Mapping[Any, Any], recurrence: Recurrence | None, now: datetime) -> datetime:
+    """Where a schedule that failed deterministically rests: its first occurrence at least
+    `FAILURE_RETRY` after now."""
+    retry_at = now + FAILURE_RETRY
+    if recurrence is None:
+        return retry_at
+    try:
+        return max(retry_at, recurrence.next_after(retry_at, row["next_run_at"]))
+    except RecurrenceError:
+        return retry_at
+
+
 def _fail(
     connection: Connection,
     row: Mapping[Any, Any],
-    recurrence: Recurrence | None,
-    now: datetime,
+    cursor: datetime,
     reason: str,
     report: MaterializeReport,
 ) -> None:
-    retry_at = now + FAILURE_RETRY
-    cursor = retry_at
-    if recurrence is not None:
-        with contextlib.suppress(RecurrenceError):
-            cursor = max(retry_at, recurrence.next_after(retry_at, row["next_run_at"]))
     message = f"{reason}"[:_ERROR_MAX]
     logger.warning(
         "schedule %r failed (%s); it is tried again at its occurrence %s",
@@ -162,10 +187,33 @@ def _wait_for_room(
     report.waiting.append(row["name"])
 
 
-def _materialize_one(
-    connection: Connection, row: Mapping[Any, Any], now: datetime, report: MaterializeReport
-) -> None:
-    name = row["name"]
+@dataclass(frozen=True)
+class Planned:
+    """One locked due schedule and what its materialisation does (`plan`)."""
+
+    row: Mapping[Any, Any]
+    #: None: the stored definition cannot be computed (``plan`` is None too).
+    recurrence: Recurrence | None
+    #: None: computing the occurrences failed, for ``failure``; the schedule rests until
+    #: ``retry_at``.
+    plan: Occurrences | None
+    failure: str = ""
+    retry_at: datetime | None = None
+
+
+def lock_due(
+    connection: Connection, limit: int, exclude: Sequence[str] = ()
+) -> tuple[datetime, Sequence[Mapping[Any, Any]]]:
+    """Database now, and up to ``limit`` due schedules (none named in ``exclude``) locked in
+    ``connection``'s current transaction (`DUE_SCHEDULES`)."""
+    now: datetime = connection.execute(select(NOW)).scalar_one().astimezone(timezone.utc)
+    rows = connection.execute(
+        DUE_SCHEDULES, {"now": now, "limit": limit, "exclude": list(exclude)}
+    ).mappings().all()
+    return now, rows
+
+
+def _plan_one(row: Mapping[Any, Any], now: datetime) -> Planned:
     recurrence: Recurrence | None = None
     try:
         recurrence = Recurrence.of(row["cron"], row["interval_seconds"], row["timezone"])
@@ -180,7 +228,25 @@ def _materialize_one(
             waiting=(row["last_error"] or "").startswith(_WAITING),
         )
     except RecurrenceError as exc:
-        _fail(connection, row, recurrence, now, f"cannot compute occurrences: {exc}", report)
+        return Planned(row, recurrence, None, f"cannot compute occurrences: {exc}",
+                       _retry_cursor(row, recurrence, now))
+    return Planned(row, recurrence, plan)
+
+
+def plan_due(rows: Sequence[Mapping[Any, Any]], now: datetime) -> list[Planned]:
+    """What materialising each of ``rows`` does at ``now``: pure computation (croniter,
+    time zones), no I/O, so the worker runs it in a thread, off its event loop."""
+    return [_plan_one(row, now) for row in rows]
+
+
+def _materialize_one(
+    connection: Connection, planned: Planned, now: datetime, report: MaterializeReport
+) -> None:
+    row, recurrence, plan = planned.row, planned.recurrence, planned.plan
+    name = row["name"]
+    if plan is None:
+        assert planned.retry_at is not None
+        _fail(connection, row, planned.retry_at, planned.failure, report)
         return
     if plan.dropped:
         logger.info(
@@ -194,14 +260,50 @@ def _materialize_one(
         with _savepoint(connection):
             report.created += _insert(connection, name, plan.due, plan.next_run_at)
     except DBAPIError as exc:
-        if _sqlstate(exc) == _CAPACITY:
-            _wait_for_room(connection, row, plan, report, exc)
-        elif is_transient(exc) or _sqlstate(exc) == _PERMISSION_DENIED:
-            # Not this schedule's fault: a missing privilege is the deployment's to fix.
+        state = _sqlstate(exc)
+        if state == _CAPACITY:
+            try:
+                _wait_for_room(connection, row, plan, report, exc)
+            except DBAPIError as again:
+                if _sqlstate(again) not in _HELD:
+                    raise
+                _set_aside(connection, row, again, report)
+        elif state in _HELD:
+            _set_aside(connection, row, exc, report)
+        elif is_transient(exc) or state == _PERMISSION_DENIED:
+            # Not this schedule's fault: a lost connection ends the pass, and a missing
+            # privilege is the deployment's to fix.
             raise
         else:
-            _fail(connection, row, recurrence, now, f"the database refused its task: {brief(exc)}",
-                  report)
+            _fail(connection, row, _retry_cursor(row, recurrence, now),
+                  f"the database refused its task: {brief(exc)}", report)
+
+
+def _set_aside(
+    connection: Connection, row: Mapping[Any, Any], exc: DBAPIError, report: MaterializeReport
+) -> None:
+    """Another transaction holds what this schedule's insert needs (a capped queue's row, a
+    task it references ...): leave it for a later pass, and let the batch go on."""
+    reason = brief(exc)
+    logger.warning(
+        "schedule %r held back (%s); its occurrences wait for a later pass", row["name"], reason
+    )
+    if not (row["last_error"] or "").startswith(_WAITING):  # keep "waiting" for the grace
+        connection.execute(
+            NOTE_ERROR, {"schedule": row["name"], "error": f"{_HELD_BACK}{reason}"[:_ERROR_MAX]}
+        )
+    report.held.append(row["name"])
+
+
+def apply_plans(
+    connection: Connection, planned: Sequence[Planned], now: datetime
+) -> MaterializeReport:
+    """Create the tasks and move the cursors `plan_due` decided, in ``connection``'s current
+    transaction (the one that locked the rows); never commits."""
+    report = MaterializeReport(selected=len(planned))
+    for one in planned:
+        _materialize_one(connection, one, now, report)
+    return report
 
 
 def materialize_in(
@@ -209,11 +311,5 @@ def materialize_in(
 ) -> MaterializeReport:
     """Materialise up to ``limit`` due schedules (none named in ``exclude``) in
     ``connection``'s current transaction; never commits."""
-    now: datetime = connection.execute(select(NOW)).scalar_one().astimezone(timezone.utc)
-    rows = connection.execute(
-        DUE_SCHEDULES, {"now": now, "limit": limit, "exclude": list(exclude)}
-    ).mappings().all()
-    report = MaterializeReport(selected=len(rows))
-    for row in rows:
-        _materialize_one(connection, row, now, report)
-    return report
+    now, rows = lock_due(connection, limit, exclude)
+    return apply_plans(connection, plan_due(rows, now), now)

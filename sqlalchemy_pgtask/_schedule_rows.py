@@ -1,6 +1,12 @@
 """_schedule_rows: a schedule's row read and written in the caller's transaction; the work
 behind the public functions of `sqlalchemy_pgtask.schedule`, sync only (the async twins run
 it with ``run_sync``). Never commits.
+
+A write that gives a schedule a new cursor (a new or changed definition, a resume) also
+notifies the workers in the same transaction (`READY_CHANNEL`, payload `WAKE_ALL`): at commit
+every worker runs its maintenance passes, the materialiser among them, which then sleeps
+exactly until the new cursor. Otherwise a materialiser resting for its interval (5 s by
+default) would notice the schedule only then. No commit, no notification.
 """
 
 from __future__ import annotations
@@ -13,11 +19,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Final
 
-from sqlalchemy import Connection, Table, cast, delete, literal, select, update
+from sqlalchemy import Connection, Table, cast, delete, func, literal, select, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from sqlalchemy_pgtask._connection import translated_errors
+from sqlalchemy_pgtask._connection import READY_CHANNEL, WAKE_ALL, translated_errors
 from sqlalchemy_pgtask._cron import Recurrence, RecurrenceError
 from sqlalchemy_pgtask._schedule_spec import DEFINITION_FIELDS, ScheduleSpec
 from sqlalchemy_pgtask.audit import audit_statement
@@ -94,6 +100,10 @@ def _now(connection: Connection) -> datetime:
     )
 
 
+def _wake_materialisers(connection: Connection) -> None:
+    connection.execute(select(func.pg_notify(READY_CHANNEL, WAKE_ALL)))
+
+
 def _first_cursor(spec: ScheduleSpec, now: datetime) -> datetime:
     recurrence = spec.recurrence
     if spec.start_at is not None:
@@ -131,6 +141,7 @@ def write(
             .returning(*_schedules.c)
         ).mappings().first()
         if created is not None:
+            _wake_materialisers(connection)
             if not declared:
                 connection.execute(audit_statement(
                     "schedule.set", actor=actor, schedule=spec.name,
@@ -149,6 +160,7 @@ def write(
         }
         if changed:  # a new definition starts afresh from database now
             values.update(next_run_at=cursor, last_error=None)
+            _wake_materialisers(connection)
         row = connection.execute(
             update(_schedules).where(_schedules.c.name == spec.name).values(**values)
             .returning(*_schedules.c)
@@ -198,6 +210,7 @@ def change(
                 .values(paused_at=None, next_run_at=cursor, updated_at=NOW)
                 .returning(*_schedules.c)
             ).mappings().one()
+            _wake_materialisers(connection)
         connection.execute(audit_statement(action, actor=actor, reason=reason, schedule=name))
         return _info(row, UPCOMING)
 

@@ -15,12 +15,13 @@ docs/schedules.md.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection, Engine
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from sqlalchemy_pgtask._connection import (
     AsyncBind,
@@ -32,7 +33,13 @@ from sqlalchemy_pgtask._connection import (
     translated_errors,
 )
 from sqlalchemy_pgtask._enqueue_plan import DEFAULT_QUEUE
-from sqlalchemy_pgtask._materialize import MaterializeReport, materialize_in
+from sqlalchemy_pgtask._materialize import (
+    MaterializeReport,
+    apply_plans,
+    lock_due,
+    materialize_in,
+    plan_due,
+)
 from sqlalchemy_pgtask._schedule_rows import (
     UPCOMING,
     ScheduleInfo,
@@ -149,9 +156,13 @@ async def set_schedule_async(
     start_at: datetime | None = None,
     actor: str | None = None,
 ) -> ScheduleInfo:
-    """`set_schedule` for an `AsyncSession` or `AsyncConnection`; the same guarantees."""
+    """`set_schedule` for an `AsyncSession` or `AsyncConnection`; the same guarantees.
+
+    The options are checked in a thread: finding a cron expression's next occurrence in a
+    time zone (or that it has none) is computation the caller's event loop need not wait for.
+    """
     target = async_bind(bind, "set_schedule")
-    spec = _spec(name, task, queue, version, dict(
+    spec = await asyncio.to_thread(_spec, name, task, queue, version, dict(
         cron=cron, every=every, timezone=timezone, payload=payload, headers=headers,
         priority=priority, max_attempts=max_attempts, timeout=timeout, misfire=misfire,
         catch_up_limit=catch_up_limit, overlap=overlap, start_at=start_at,
@@ -269,6 +280,17 @@ def _materialize(
         return materialize_in(connection, limit, exclude)
 
 
+async def _materialize_async(
+    connection: AsyncConnection, limit: int, exclude: Sequence[str] = ()
+) -> MaterializeReport:
+    # The occurrences are computed in a thread: a cron expression in a time zone can take a
+    # while, and the caller's event loop (a worker's renews leases) must not wait for it.
+    with translated_errors():
+        now, rows = await connection.run_sync(lock_due, limit, exclude)
+        planned = await asyncio.to_thread(plan_due, rows, now) if rows else []
+        return await connection.run_sync(apply_plans, planned, now)
+
+
 def write_declared(
     connection: Connection, declared: DeclaredSchedule, actor: str | None = None
 ) -> ScheduleInfo:
@@ -303,7 +325,7 @@ async def materialize_schedules_async(
     check_int_range("limit", limit, 1, 10_000)
     if isinstance(bind, AsyncEngine):
         async with bind.begin() as connection:
-            return await connection.run_sync(_materialize, limit, tuple(exclude))
+            return await _materialize_async(connection, limit, tuple(exclude))
     connection = await async_connection_of(async_bind(bind, "materialize_schedules"))
-    return await connection.run_sync(_materialize, limit, tuple(exclude))
+    return await _materialize_async(connection, limit, tuple(exclude))
 

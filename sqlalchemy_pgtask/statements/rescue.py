@@ -11,6 +11,13 @@ back the tasks of a worker it knows held its lock *during the life of the same b
 own* (seen holding it, or registered since: a worker takes its lock before it registers), so
 its session outlived whatever happened and the worker could have reconnected; and only when
 the lock was still missing one pass later (`worker._maintenance.Rescue` keeps that memory).
+
+Nor is a lock that stays gone: the server may have ended a live worker's sessions itself
+(``pg_terminate_backend``, an idle-session timeout) and refuse its new connections for a while
+(``max_connections`` reached, the database closed to connections). PostgreSQL counts, per
+database, how sessions ended: a dead client's as *abandoned* (end of file on its socket), the
+server's own doing as *killed* or *fatal*. `WORKER_LOCKS` reads the last two, so a rescuer can
+tell "its process is gone" from "the server ended its sessions" (PostgreSQL 14 and later).
 Leases stay the fence, and the fallback where locks say nothing (a transaction-pooling proxy
 keeps them on its own server connections).
 """
@@ -21,6 +28,7 @@ from typing import Any, Final
 
 from sqlalchemy import (
     CTE,
+    BigInteger,
     ColumnElement,
     Integer,
     Text,
@@ -30,6 +38,7 @@ from sqlalchemy import (
     column,
     func,
     literal_column,
+    null,
     select,
     table,
 )
@@ -38,7 +47,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB, OID
 from sqlalchemy_pgtask.statements._common import TSTZ, UUID_T, tasks, workers
 from sqlalchemy_pgtask.statements.lease import recover_from
 
-__all__ = ["LOCK_NAMESPACE", "RESCUE", "WORKER_LOCKS"]
+__all__ = ["LOCK_NAMESPACE", "RESCUE", "WORKER_LOCKS", "WORKER_LOCKS_WITHOUT_ENDINGS"]
 
 #: The first key of every worker's advisory lock ("pgta"); the second is the worker's
 #: ``lock_key`` (1 to 2**31 - 1, random: two workers sharing one only delay a rescue).
@@ -59,13 +68,17 @@ _GONE_ERROR: Final = cast(
 )
 
 
-def _held_keys() -> CTE:
-    """The second keys of the workers' advisory locks held now in this database."""
-    this_database = (
+def _this_database() -> Any:
+    return (
         select(_pg_database.c.oid)
         .where(_pg_database.c.datname == func.current_database())
         .scalar_subquery()
     )
+
+
+def _held_keys() -> CTE:
+    """The second keys of the workers' advisory locks held now in this database."""
+    this_database = _this_database()
     return (
         select(_pg_locks.c.objid)
         .where(
@@ -82,7 +95,15 @@ def _holds(keys: CTE) -> ColumnElement[bool]:
     return cast(workers.c.lock_key, OID).in_(select(keys.c.objid))
 
 
-def _worker_locks() -> Any:
+def _ended() -> ColumnElement[Any]:
+    """How many sessions of this database the server ended (terminated or failed) so far."""
+    database = _this_database()
+    return (
+        func.pg_stat_get_db_sessions_killed(database) + func.pg_stat_get_db_sessions_fatal(database)
+    )
+
+
+def _worker_locks(*, endings: bool) -> Any:
     keys = _held_keys()
     holding = _holds(keys)
     locked = workers.c.lock_key.is_not(None)
@@ -92,6 +113,10 @@ def _worker_locks() -> Any:
         .scalar_subquery()
     )
     return select(
+        # Read before the locks: a session that ends after this read but before the lock
+        # read is seen gone, and counted on the next pass (its backend releases its locks a
+        # moment before it reports how it ended).
+        (_ended() if endings else cast(null(), BigInteger)).label("ended"),
         func.pg_backend_pid().label("backend"),
         own_start.label("backend_start"),
         select(func.array_agg(workers.c.id)).where(locked, holding).scalar_subquery()
@@ -101,12 +126,17 @@ def _worker_locks() -> Any:
     )
 
 
-#: This session's identity (``backend`` pid and ``backend_start``) and the workers (with a
-#: lock key) whose advisory lock is held now (``holding``) or not (``gone``), as arrays (NULL
-#: when empty). A worker takes its lock before it registers, so one whose row a session reads
-#: for the first time held it after that session's previous read: no clock is compared (the
-#: database clock may be moved). Reads ``pg_locks`` once. Locks nothing.
-WORKER_LOCKS: Final = _worker_locks()
+#: How many sessions of this database the server has ended so far (``ended``: terminated or
+#: ended by a fatal error, never those whose client went away), this session's identity
+#: (``backend`` pid and ``backend_start``) and the workers (with a lock key) whose advisory
+#: lock is held now (``holding``) or not (``gone``), as arrays (NULL when empty). A worker
+#: takes its lock before it registers, so one whose row a session reads for the first time
+#: held it after that session's previous read: no clock is compared (the database clock may
+#: be moved). Reads ``pg_locks`` once and this database's session counters. Locks nothing.
+WORKER_LOCKS: Final = _worker_locks(endings=True)
+#: `WORKER_LOCKS` for PostgreSQL 13, which does not count how sessions ended: ``ended`` is
+#: NULL.
+WORKER_LOCKS_WITHOUT_ENDINGS: Final = _worker_locks(endings=False)
 
 
 def _rescue() -> Any:

@@ -38,6 +38,7 @@ __all__ = [
     "ADVANCE",
     "DUE_SCHEDULES",
     "MATERIALIZE",
+    "NOTE_ERROR",
     "SECONDS_UNTIL_NEXT_SCHEDULE",
     "schedules",
 ]
@@ -143,6 +144,19 @@ def _advance() -> Update:
 #: Moves schedule ``:schedule``'s cursor to ``:cursor`` without creating a task, setting
 #: ``last_error`` to ``:error`` (None clears it). Locks that schedule's row.
 ADVANCE: Final = _advance()
+
+
+def _note_error() -> Update:
+    return (
+        update(schedules)
+        .where(schedules.c.name == bindparam("schedule", type_=Text))
+        .values(last_error=bindparam("error", type_=Text))
+    )
+
+
+#: Sets schedule ``:schedule``'s ``last_error`` to ``:error``, its cursor left where it is
+#: (a schedule held back for now). Locks that schedule's row.
+NOTE_ERROR: Final = _note_error()
 
 
 def _seconds_until_next() -> Select[Any]:

@@ -22,7 +22,6 @@ import contextlib
 import logging
 import random
 import time
-import uuid
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -30,8 +29,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask._asyncio import bounded
-from sqlalchemy_pgtask.statements.rescue import RESCUE, WORKER_LOCKS
+from sqlalchemy_pgtask.statements.rescue import RESCUE, WORKER_LOCKS, WORKER_LOCKS_WITHOUT_ENDINGS
 from sqlalchemy_pgtask.worker._reconnect import Backoff, HeldConnection, brief, is_transient
+from sqlalchemy_pgtask.worker._sightings import Sightings
 
 __all__ = [
     "MaintenanceRunner",
@@ -87,16 +87,9 @@ class Recovery:
 class Rescue:
     """Takes back at once the running tasks of workers whose connections are all gone.
 
-    A worker counts as gone when it held its advisory lock during the life of this service's
-    backend (seen holding it, or registered since), and the lock was then missing on two
-    passes in a row: a server restart or a failover ends this service's backend too, and a
-    brief network cut gives the worker a pass to take its lock again (`statements.rescue`).
-
-    "Registered since" means its row was not there on this backend's previous pass, not that
-    its ``started_at`` is later: that is database time, which a clock set back (or a failover
-    to a server whose clock is behind) would make look recent. A worker whose tasks were taken
-    back and who has nothing left running is forgotten until it is seen holding its lock
-    again, so the pass does not look for it at twice its rate until its row is pruned.
+    Which workers are gone is `worker._sightings.Sightings`'s verdict on each look at the
+    workers' advisory locks (`statements.rescue`): a process that went away, not sessions the
+    server ended itself.
     """
 
     name = "rescue"
@@ -104,30 +97,12 @@ class Rescue:
     def __init__(self, *, interval: float, batch_size: int) -> None:
         self.interval = interval
         self._batch = batch_size
-        #: The backend (pid, start) the observations below were made on.
-        self._backend: tuple[int, object] | None = None
-        #: The workers (with a lock) the last pass on that backend read: a row a pass reads
-        #: that the one before did not was registered since.
-        self._known: set[uuid.UUID] = set()
-        #: Workers seen holding their lock on that backend.
-        self._seen: set[uuid.UUID] = set()
-        #: Workers seen holding it earlier, then missing it on the last pass.
-        self._missing: set[uuid.UUID] = set()
+        self._sightings = Sightings()
 
     async def run_once(self, connection: AsyncConnection) -> float | None:
-        state = (await connection.execute(WORKER_LOCKS)).one()
-        backend = (state.backend, state.backend_start)
-        holding, gone = set(state.holding or ()), set(state.gone or ())
-        if backend != self._backend:
-            self._backend, self._known = backend, holding | gone
-            self._seen, self._missing = set(), set()
-        # Registered since the last pass (its row was committed after that pass's snapshot):
-        # it took its lock before it registered, so it held it during our session.
-        self._seen |= gone - self._known
-        self._known = holding | gone
-        doomed = gone & self._missing
-        self._missing = gone & self._seen
-        self._seen = (self._seen & gone) | holding
+        counted = (connection.dialect.server_version_info or (14,)) >= (14,)
+        look = WORKER_LOCKS if counted else WORKER_LOCKS_WITHOUT_ENDINGS
+        doomed = self._sightings.gone((await connection.execute(look)).one())
         rescued = 0
         for _ in range(MAX_BATCHES_PER_PASS) if doomed else ():
             rows = (
@@ -138,8 +113,7 @@ class Rescue:
                 break
         if doomed and not rescued:
             # Nothing of theirs is left running: forget them until seen holding a lock again.
-            self._seen -= doomed
-            self._missing -= doomed
+            self._sightings.forget(doomed)
         if rescued:
             logger.warning(
                 "rescued %d task(s) of %d worker(s) that are gone, before their leases expired",
@@ -147,7 +121,7 @@ class Rescue:
             )
         # A lock just found missing: look again soon (a worker that only lost its
         # connections for a moment has taken it again by then), not a whole interval later.
-        return self.interval / 2 if self._missing else None
+        return self.interval / 2 if self._sightings.missing else None
 
 
 class WaitTimeouts:

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Sequence
 from typing import Final
 
-from sqlalchemy import Connection, text
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from sqlalchemy_pgtask.registry import Registry
 from sqlalchemy_pgtask.schedule import (
     MaterializeReport,
     ScheduleInfo,
-    materialize_schedules,
+    materialize_schedules_async,
     write_declared,
 )
 from sqlalchemy_pgtask.statements.schedule import SECONDS_UNTIL_NEXT_SCHEDULE
@@ -33,24 +34,25 @@ logger = logging.getLogger("sqlalchemy_pgtask.worker")
 
 #: Seconds before looking again at due schedules another materialiser held.
 _HELD_RETRY: Final = 0.5
+#: The first and the longest rest of a schedule another transaction holds back.
+_HELD_REST_FIRST: Final = 1.0
+_HELD_REST_MAX: Final = 30.0
 
 
-@contextlib.contextmanager
-def _transaction(connection: Connection) -> Iterator[None]:
-    """An explicit transaction on the worker's autocommit connection."""
-    connection.execute(text("BEGIN"))
+async def _pass(
+    connection: AsyncConnection, limit: int, exclude: Sequence[str]
+) -> MaterializeReport:
+    """One materialisation transaction on the worker's autocommit connection (its
+    occurrences computed in a thread, off the event loop: `materialize_schedules_async`)."""
+    await connection.execute(text("BEGIN"))
     try:
-        yield
+        report = await materialize_schedules_async(connection, limit=limit, exclude=exclude)
     except BaseException:
         with contextlib.suppress(Exception):
-            connection.execute(text("ROLLBACK"))
+            await connection.execute(text("ROLLBACK"))
         raise
-    connection.execute(text("COMMIT"))
-
-
-def _pass(connection: Connection, limit: int, exclude: Sequence[str]) -> MaterializeReport:
-    with _transaction(connection):
-        return materialize_schedules(connection, limit=limit, exclude=exclude)
+    await connection.execute(text("COMMIT"))
+    return report
 
 
 class Schedules:
@@ -62,28 +64,52 @@ class Schedules:
         #: The longest sleep: bounds how late a schedule created meanwhile is noticed.
         self.interval = interval
         self._batch = batch_size
+        #: Schedules held back by another transaction: (monotonic time they rest until,
+        #: the length of that rest). Each try costs up to a lock or statement timeout, so
+        #: the rest doubles while they stay held, up to `_HELD_REST_MAX`.
+        self._resting: dict[str, tuple[float, float]] = {}
 
     async def run_once(self, connection: AsyncConnection) -> float | None:
         """One pass on an autocommit connection; each batch is its own transaction.
 
         Looks before it locks: with nothing due, a pass is one read of ``ix_schedules_due``.
         """
-        skipped: list[str] = []  # waiting for room in their queue: not again this pass
+        now = time.monotonic()
+        tried = {name for name, (until, _) in self._resting.items() if until <= now}
+        # Waiting for room in their queue, or held back: not again this pass.
+        skipped = [name for name in self._resting if name not in tried]
+        held: set[str] = set()
+        seconds = await self._until_next(connection, skipped)
         for _ in range(MAX_BATCHES_PER_PASS):
-            seconds = await self._until_next(connection, skipped)
             if seconds is None or seconds > 0:
-                return seconds
-            report = await connection.run_sync(_pass, self._batch, list(skipped))
+                break
+            report = await _pass(connection, self._batch, list(skipped))
             if report.created:
                 logger.info("materialised %d scheduled task(s)", report.created)
-            skipped.extend(report.waiting)
-            if report.selected < self._batch:
+            skipped.extend(report.waiting + report.held)
+            held.update(report.held)
+            seconds = await self._until_next(connection, skipped)
+            if report.selected < self._batch and seconds is not None and seconds <= 0:
+                # Still due: held by another materialiser, or more than one pass could take.
+                seconds = min(self.interval, _HELD_RETRY)
                 break
-        seconds = await self._until_next(connection, skipped)
-        if seconds is not None and seconds <= 0:
-            # Still due: held by another materialiser, or more than one pass could take.
-            return min(self.interval, _HELD_RETRY)
+        else:
+            if seconds is not None and seconds <= 0:
+                seconds = min(self.interval, _HELD_RETRY)
+        self._rest(held, tried)
+        if self._resting:
+            until = max(0.0, min(until for until, _ in self._resting.values()) - time.monotonic())
+            seconds = until if seconds is None else min(seconds, until)
         return seconds
+
+    def _rest(self, held: set[str], tried: set[str]) -> None:
+        for name in tried - held:  # tried again and not held: back to normal
+            del self._resting[name]
+        for name in sorted(held):
+            previous = self._resting.get(name)
+            rest = _HELD_REST_FIRST if previous is None else min(_HELD_REST_MAX, 2 * previous[1])
+            self._resting[name] = (time.monotonic() + rest, rest)
+            logger.info("schedule %r rests %.1fs before it is tried again", name, rest)
 
     @staticmethod
     async def _until_next(connection: AsyncConnection, skipped: list[str]) -> float | None:

@@ -150,7 +150,8 @@ def test_a_catch_up_after_a_long_downtime_is_bounded_by_its_policy(
     materialisers.stop()
     bounded = minutes_of(pgtask_engine, "bounded")
     cursor = cursor_of(pgtask_engine, "bounded")
-    assert bounded == [cursor - timedelta(minutes=50 - m) for m in range(50)]  # the newest 50
+    # The newest, on time (within the grace), and the 50 missed ones before it.
+    assert bounded == [cursor - timedelta(minutes=51 - m) for m in range(51)]
     assert minutes_of(pgtask_engine, "latest") == [
         cursor_of(pgtask_engine, "latest") - timedelta(minutes=1)
     ]

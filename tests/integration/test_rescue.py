@@ -66,6 +66,21 @@ class FakeWorker:
     def die(self) -> None:
         for conn in list(self.connections):
             self.drop(conn)
+        self._wait_for_the_lock_to_go()
+
+    def lose_sessions(self) -> None:
+        """The server ends every session of this worker (``pg_terminate_backend``), as it
+        does to a live worker it then refuses new connections for a while."""
+        pids = [conn.execute(select(func.pg_backend_pid())).scalar_one()
+                for conn in self.connections]
+        with self._engine.connect() as conn:
+            for pid in pids:
+                conn.execute(select(func.pg_terminate_backend(pid)))
+        for conn in list(self.connections):
+            self.drop(conn)
+        self._wait_for_the_lock_to_go()
+
+    def _wait_for_the_lock_to_go(self) -> None:
         # A closed session's backend ends (and drops its locks) a moment later.
         with self._engine.connect() as conn:
             for _ in range(500):

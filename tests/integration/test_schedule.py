@@ -135,11 +135,11 @@ def test_skip_drops_every_missed_occurrence(pgtask_engine: Engine, at_t0: Databa
     materialize_schedules(pgtask_engine)
     assert occurrences(pgtask_engine, "hourly") == []
     assert cursor(pgtask_engine, "hourly") == minute(14, 0)
-    make(pgtask_engine, misfire="skip")  # every minute: 30 s is half its period
-    at_t0.advance(65)  # 13:21:35: the latest, 13:21, is 35 s late: missed
+    make(pgtask_engine, misfire="skip")  # every minute, from 13:21
+    at_t0.advance(3 * 60 + 5)  # 13:23:35: 13:21 missed; 13:22 95 s late, missed; 13:23 on time
     materialize_schedules(pgtask_engine)
-    assert occurrences(pgtask_engine, "every-minute") == []
-    assert cursor(pgtask_engine, "every-minute") == minute(13, 22)
+    assert occurrences(pgtask_engine, "every-minute") == [minute(13, 23)]
+    assert cursor(pgtask_engine, "every-minute") == minute(13, 24)
 
 
 def test_catch_up_creates_the_most_recent_missed_occurrences_up_to_its_limit(
@@ -147,9 +147,9 @@ def test_catch_up_creates_the_most_recent_missed_occurrences_up_to_its_limit(
 ) -> None:
     make(pgtask_engine, misfire="catch_up", catch_up_limit=3)
     make(pgtask_engine, "roomy", misfire="catch_up", catch_up_limit=100)
-    at_t0.advance(10 * 60)  # 10:10:30: ten missed
+    at_t0.advance(10 * 60)  # 10:10:30: 10:10 on time (within the grace), nine missed
     materialize_schedules(pgtask_engine)
-    assert occurrences(pgtask_engine, "every-minute") == [minute(10, m) for m in (8, 9, 10)]
+    assert occurrences(pgtask_engine, "every-minute") == [minute(10, m) for m in (7, 8, 9, 10)]
     assert occurrences(pgtask_engine, "roomy") == [minute(10, m) for m in range(1, 11)]
     assert cursor(pgtask_engine, "every-minute") == minute(10, 11)
     materialize_schedules(pgtask_engine)  # nothing due: nothing more

@@ -14,8 +14,10 @@ import pytest
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
-from sqlalchemy_pgtask import Task
-from sqlalchemy_pgtask._cron import Recurrence, plan_occurrences
+from sqlalchemy_pgtask import InvalidOptionError, Task
+from sqlalchemy_pgtask._cron import Recurrence, RecurrenceError
+from sqlalchemy_pgtask._misfire import plan_occurrences
+from sqlalchemy_pgtask._schedule_spec import schedule_spec
 from sqlalchemy_pgtask.schedule import get_schedule, materialize_schedules, set_schedule
 from sqlalchemy_pgtask.testing import DatabaseClock
 
@@ -122,3 +124,29 @@ def test_overlap_skip_lets_a_catch_up_create_one_occurrence_at_a_time() -> None:
     assert len(allowed.due) == 6
     assert skipped.due == [datetime(2030, 6, 3, 5, tzinfo=timezone.utc)]
     assert skipped.next_run_at == allowed.next_run_at
+
+
+def test_a_wildcard_walking_into_the_gap_resumes_at_its_first_wall_after() -> None:
+    # The walls of the missing hour are jumped over at once, and the first one after the
+    # gap (03:00 CEST) is not jumped with them.
+    assert walk("* 2,3 * * *", utc(3, 31, 0, 58), utc(3, 31, 1, 2)) == [
+        utc(3, 31, 1), utc(3, 31, 1, 1), utc(3, 31, 1, 2)
+    ]
+    assert walk("*/20 * * * * *", utc(3, 31, 0, 59), utc(3, 31, 1, 0)) == [
+        utc(3, 31, 0, 59) + timedelta(seconds=s) for s in (20, 40, 60)
+    ]
+
+
+@pytest.mark.parametrize("expression", ["* 2 * 3 0#5", "* * 2 * 3 0#5", "*/10 * 2 * 3 0#5"])
+def test_an_expression_that_only_falls_into_gaps_is_refused_without_walking_them(
+    expression: str,
+) -> None:
+    # The fifth Sunday of March, when there is one, is the last: the day Berlin's 02:00 hour
+    # does not exist. Each gap is one jump, so the search ends at its 50-year horizon (it
+    # walked 200,000 walls one by one before, 8 to 27 s, and gave up on "too many steps").
+    with pytest.raises(InvalidOptionError, match="no occurrence within 50 years"):
+        schedule_spec("gaps", task_name="job", queue="default", cron=expression,
+                      timezone="Europe/Berlin")
+    recurrence = Recurrence.of(expression, None, "Europe/Berlin")
+    with pytest.raises(RecurrenceError, match="no occurrence within 50 years"):
+        recurrence.latest(utc(6, 1, 0))

@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
+from typing import Any, TypeVar
 
 import pytest
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, func, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from sqlalchemy_pgtask import InvalidOptionError, Registry, Task, WorkerOptions
+from sqlalchemy_pgtask._misfire import plan_occurrences
+from sqlalchemy_pgtask._schedule_spec import schedule_spec
 from sqlalchemy_pgtask.models import AuditEntry, Schedule
 from sqlalchemy_pgtask.schedule import (
     delete_schedule_async,
@@ -23,11 +28,14 @@ from sqlalchemy_pgtask.schedule import (
     resume_schedule_async,
     set_schedule_async,
 )
+from sqlalchemy_pgtask.statements import NOW
 from sqlalchemy_pgtask.testing import DatabaseClock, running_worker, wait_until
 from sqlalchemy_pgtask.worker._maintenance import MaintenanceRunner
 from sqlalchemy_pgtask.worker._reconnect import HeldConnection
 from sqlalchemy_pgtask.worker._schedule import Schedules, reconcile_schedules
+from tests.support.waiting import PATIENCE, SLOW_POLL
 
+_T = TypeVar("_T")
 UTC = timezone.utc
 T0 = datetime(2030, 6, 3, 10, 0, 30, tzinfo=UTC)
 
@@ -170,6 +178,82 @@ async def test_a_worker_reconciles_its_declared_schedules_at_start_and_runs_them
         ).scalar_one()
     assert declared is True
     assert await scheduled(pgtask_async_engine, "pulse")
+
+
+async def test_a_new_schedule_wakes_a_worker_resting_for_its_interval(
+    pgtask_async_engine: AsyncEngine,
+) -> None:
+    # The materialiser rests for ten minutes (SLOW_POLL) once nothing is due: the first
+    # occurrence of a schedule created meanwhile gets its task within PATIENCE only because
+    # set_schedule's commit notified the workers.
+    registry = Registry()
+
+    @registry.task("pulse-job")
+    async def pulse(ctx: object, payload: object) -> None:
+        return None
+
+    async with AsyncSession(pgtask_async_engine) as session:
+        now = (await session.execute(select(NOW))).scalar_one()
+        await set_schedule_async(session, "marker", task="other", every=3600,
+                                 start_at=now - timedelta(seconds=1))
+        await session.commit()
+    options = WorkerOptions(lease_duration=3.0, schedule_interval=SLOW_POLL)
+    async with running_worker(registry, pgtask_async_engine, options):
+        async def rested() -> bool:  # its first pass is over: nothing is due for an hour
+            return bool(await scheduled(pgtask_async_engine, "marker"))
+
+        await wait_until(rested, PATIENCE, message="the first pass")
+        async with AsyncSession(pgtask_async_engine) as session:
+            info = await set_schedule_async(session, "pulse", task="pulse-job", every=1)
+            await session.commit()
+
+        async def first() -> bool:
+            return info.next_run_at in await scheduled(pgtask_async_engine, "pulse")
+
+        await wait_until(first, PATIENCE, message="the first occurrence's task")
+
+
+async def test_occurrences_and_options_are_computed_off_the_event_loop(
+    pgtask_async_engine: AsyncEngine, pgtask_clock: DatabaseClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Finding occurrences in a time zone is computation (it took seconds for an expression
+    # that only falls into daylight-saving gaps): the loop that renews leases never waits
+    # for it, neither in the materialiser nor in set_schedule_async.
+    calls: list[tuple[str, int]] = []
+
+    def spied(kind: str, real: Callable[..., _T]) -> Callable[..., _T]:
+        def call(*args: Any, **kwargs: Any) -> _T:
+            calls.append((kind, threading.get_ident()))
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr("sqlalchemy_pgtask._materialize.plan_occurrences",
+                        spied("plan", plan_occurrences))
+    monkeypatch.setattr("sqlalchemy_pgtask.schedule.schedule_spec", spied("check", schedule_spec))
+    set_now(pgtask_clock, T0)
+    async with AsyncSession(pgtask_async_engine) as session:
+        await set_schedule_async(session, "minutely", task="job", cron="* * * * *")
+        await set_schedule_async(session, "gaps", task="job", cron="* * * * *")
+        # Stored as no check would let it be: its occurrences would all fall into gaps.
+        await session.execute(update(Schedule).where(Schedule.name == "gaps").values(
+            cron="* * 2 * 3 0#5", timezone="Europe/Berlin"))
+        await session.commit()
+    pgtask_clock.advance(60)
+    connection = held(pgtask_async_engine)
+    try:
+        async with connection.use() as c:
+            await Schedules(interval=5.0, batch_size=10).run_once(c)
+    finally:
+        await connection.close()
+    assert await scheduled(pgtask_async_engine, "minutely") == [
+        datetime(2030, 6, 3, 10, 1, tzinfo=UTC)
+    ]
+    async with AsyncSession(pgtask_async_engine) as session:
+        gaps = await get_schedule_async(session, "gaps")
+    assert gaps is not None
+    assert "no occurrence within 50 years" in (gaps.last_error or "")
+    assert {kind for kind, _ in calls} == {"plan", "check"}
+    assert threading.get_ident() not in {thread for _, thread in calls}
 
 
 def test_declaring_a_schedule_checks_its_options_at_import_time() -> None:

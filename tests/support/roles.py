@@ -479,6 +479,7 @@ def _materialize(c: Connection, f: JobFixture) -> None:
         c.execute(schedule_statements.ADVANCE, {
             "schedule": row.name, "cursor": row.next_run_at + timedelta(hours=2), "error": None,
         })
+        c.execute(schedule_statements.NOTE_ERROR, {"schedule": row.name, "error": None})
     c.execute(schedule_statements.SECONDS_UNTIL_NEXT_SCHEDULE, {"exclude": []}).all()
 
 
