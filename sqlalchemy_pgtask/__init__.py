@@ -47,6 +47,7 @@ from sqlalchemy_pgtask.enqueue import (
     enqueue_many_async,
 )
 from sqlalchemy_pgtask.errors import (
+    DuplicateStep,
     IdempotencyConflict,
     InvalidNameError,
     InvalidOptionError,
@@ -124,6 +125,7 @@ __all__ = [
     "Checkpoint",
     "ChildResult",
     "DeclaredSchedule",
+    "DuplicateStep",
     "EnqueueRequest",
     "EnqueueResult",
     "Explanation",

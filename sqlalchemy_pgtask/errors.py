@@ -7,6 +7,7 @@ The tree::
      │    ├── InvalidNameError                  queue, task or key name breaks the naming rule
      │    ├── PayloadError                      not JSON, too large, or contains NUL characters
      │    └── InvalidOptionError                an option out of range or contradicting another
+     │         └── DuplicateStep                a durable handler used one step key twice in a run
      ├── QueueFull                              SQLSTATE PT001: the queue is at capacity
      ├── IdempotencyConflict                    SQLSTATE 40001: the key was taken by a
      │                                          transaction this one's snapshot cannot see
@@ -16,6 +17,8 @@ The tree::
      │                                          not failed or cancelled
      ├── ReplayMismatch                         a durable call does not match what an
      │                                          earlier attempt recorded under its step key
+     │                                          (this one and DuplicateStep fail the task
+     │                                          at once: a retry would meet them again)
      ├── WorkerCrashed                          an internal loop of a worker failed; the
      │                                          worker stopped and handed its tasks back
      ├── PolicyConflict                         a handler's retry policy or max_attempts
@@ -32,6 +35,7 @@ not bad data: it raises the built-in ``TypeError``, before any SQL runs.
 from __future__ import annotations
 
 __all__ = [
+    "DuplicateStep",
     "IdempotencyConflict",
     "InvalidNameError",
     "InvalidOptionError",
@@ -84,6 +88,14 @@ class PayloadError(ValidationError):
 
 class InvalidOptionError(ValidationError):
     """An option is out of range or contradicts another option."""
+
+
+class DuplicateStep(InvalidOptionError):
+    """A durable handler used the same step name and occurrence twice in one run.
+
+    Every run of the handler makes the same calls, so a retry would fail the same way: the
+    worker fails the task at once (error kind ``duplicate_step``).
+    """
 
 
 class QueueFull(PgTaskError):
@@ -145,6 +157,8 @@ class ReplayMismatch(PgTaskError):
     For example ``ctx.step("charge", ...)`` where an earlier attempt slept under the step name
     ``"charge"``: the handler's durable calls changed incompatibly. Register the changed
     handler under a new version, and keep the old one registered until its tasks finish.
+    Every retry would meet the same checkpoint: the worker fails the task at once (error kind
+    ``replay_mismatch``).
     """
 
 

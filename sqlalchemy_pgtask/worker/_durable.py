@@ -27,7 +27,7 @@ from sqlalchemy_pgtask._connection import parse_task_id, translated_errors
 from sqlalchemy_pgtask._enqueue_plan import EnqueueRequest, new_ids, validate_request
 from sqlalchemy_pgtask.control import LeaseLost, Suspended, TaskCancelled
 from sqlalchemy_pgtask.durable import ChildResult, StepKey
-from sqlalchemy_pgtask.errors import InvalidOptionError, ReplayMismatch
+from sqlalchemy_pgtask.errors import DuplicateStep, InvalidOptionError, ReplayMismatch
 from sqlalchemy_pgtask.registry import TaskDefinition
 from sqlalchemy_pgtask.statements import (
     CHECKPOINT,
@@ -113,7 +113,7 @@ class DurableAttempt:
 
     def _check_unused(self, key: StepKey) -> None:
         if key in self._used:
-            raise InvalidOptionError(
+            raise DuplicateStep(
                 "step",
                 f"{key[0]!r} (occurrence {key[1]}) was already used in this run; give each "
                 "durable call its own step name, or count occurrences from durable data",

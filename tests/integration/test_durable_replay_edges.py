@@ -17,6 +17,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy_pgtask import (
     Checkpoint,
     Registry,
+    ReplayMismatch,
+    RetryPolicy,
     SyncTaskContext,
     TaskContext,
     WorkerOptions,
@@ -95,3 +97,86 @@ async def test_a_retried_sleep_sleeps_until_its_stored_wake_time(
         row = await wait_for_state(pgtask_async_engine, task_id, timeout=PATIENCE)
     assert (row["state"], row["result"], row["attempt"]) == ("succeeded", "rested", 3)
     assert await _stored_wake_time(pgtask_async_engine, task_id) == wake_at
+
+
+AGAIN = RetryPolicy.fixed(0.0, jitter=False)
+
+
+async def _failed_at_once(
+    registry: Registry, url: str, engine: AsyncEngine, task_id: uuid.UUID
+) -> dict[str, Any]:
+    async with running_worker(registry, url, OPTIONS):
+        row = await wait_for_state(engine, task_id, timeout=PATIENCE)
+    return row
+
+
+async def test_a_replay_mismatch_fails_the_task_at_once(
+    pgtask_database_url: str, pgtask_async_engine: AsyncEngine
+) -> None:
+    # The mismatch is deterministic: every retry meets the same checkpoint. It was retried by
+    # policy until max_attempts ran out.
+    registry = Registry()
+
+    @registry.task("changed", max_attempts=5, retry=AGAIN)
+    async def changed(ctx: TaskContext, payload: None) -> str:
+        if ctx.attempt == 1:
+            await ctx.step("charge", lambda: "charged")
+            raise RuntimeError("fails once, so the next attempt replays")
+        await ctx.sleep_for("charge", 1)  # as if the code changed under the running task
+        return "never"
+
+    task_id = await add(pgtask_async_engine, "changed")
+    row = await _failed_at_once(registry, pgtask_database_url, pgtask_async_engine, task_id)
+    assert (row["state"], row["attempt"]) == ("failed", 2)
+    assert row["error"]["type"] == "replay_mismatch"
+    assert row["error"]["exception"] == "sqlalchemy_pgtask.errors.ReplayMismatch"
+    assert "charge" in row["error"]["message"]
+
+
+@pytest.mark.parametrize("kind", ["async", "sync"])
+async def test_a_step_name_used_twice_fails_the_task_at_once(
+    kind: str, pgtask_database_url: str, pgtask_async_engine: AsyncEngine
+) -> None:
+    registry = Registry()
+
+    if kind == "async":
+        @registry.task("twice", max_attempts=5, retry=AGAIN)
+        async def twice(ctx: TaskContext, payload: None) -> None:
+            await ctx.step("fetch", lambda: 1)
+            await ctx.step("fetch", lambda: 2)
+    else:
+        @registry.task("twice", max_attempts=5, retry=AGAIN)
+        def sync_twice(ctx: SyncTaskContext, payload: None) -> None:
+            ctx.step("fetch", lambda: 1)
+            ctx.step("fetch", lambda: 2)
+
+    task_id = await add(pgtask_async_engine, "twice")
+    row = await _failed_at_once(registry, pgtask_database_url, pgtask_async_engine, task_id)
+    assert (row["state"], row["attempt"]) == ("failed", 1)
+    assert row["error"]["type"] == "duplicate_step"
+    assert row["error"]["exception"] == "sqlalchemy_pgtask.errors.DuplicateStep"
+
+
+async def test_an_error_raised_from_a_replay_mismatch_fails_the_task_at_once(
+    pgtask_database_url: str, pgtask_async_engine: AsyncEngine
+) -> None:
+    # A handler that wraps the mismatch in its own error changes nothing: the next attempt
+    # would meet the same checkpoint. One that asks for a retry itself is obeyed.
+    registry = Registry()
+
+    @registry.task("wrapped", max_attempts=5, retry=AGAIN)
+    async def wrapped(ctx: TaskContext, payload: None) -> None:
+        if ctx.attempt == 1:
+            await ctx.step("a", lambda: 1)
+            raise RuntimeError("fails once")
+        try:
+            await ctx.sleep_for("a", 1)
+        except ReplayMismatch as exc:
+            raise LookupError("the workflow could not go on") from exc
+
+    task_id = await add(pgtask_async_engine, "wrapped")
+    row = await _failed_at_once(registry, pgtask_database_url, pgtask_async_engine, task_id)
+    assert (row["state"], row["attempt"], row["error"]["type"]) == (
+        "failed", 2, "replay_mismatch",
+    )
+    assert row["error"]["exception"] == "LookupError"
