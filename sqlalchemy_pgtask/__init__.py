@@ -59,6 +59,7 @@ from sqlalchemy_pgtask.errors import (
     SchemaNotInstalled,
     TaskNotFound,
     TaskNotRetryable,
+    TaskNotVisible,
     ValidationError,
     WorkerCrashed,
 )
@@ -164,6 +165,7 @@ __all__ = [
     "TaskDefinition",
     "TaskNotFound",
     "TaskNotRetryable",
+    "TaskNotVisible",
     "TransactionStep",
     "ValidationError",
     "Wait",

@@ -11,6 +11,8 @@ The tree::
      ├── QueueFull                              SQLSTATE PT001: the queue is at capacity
      ├── IdempotencyConflict                    SQLSTATE 40001: the key was taken by a
      │                                          transaction this one's snapshot cannot see
+     ├── TaskNotVisible                         SQLSTATE 40001: the task was committed after
+     │                                          this transaction's snapshot
      ├── SchemaNotInstalled                     the pgtask schema is missing or out of date
      ├── TaskNotFound                           no task with that id
      ├── TaskNotRetryable                       an administrative retry of a task that is
@@ -48,6 +50,7 @@ __all__ = [
     "ServerNotFound",
     "TaskNotFound",
     "TaskNotRetryable",
+    "TaskNotVisible",
     "ValidationError",
     "WorkerCrashed",
 ]
@@ -115,6 +118,19 @@ class IdempotencyConflict(PgTaskError):
     aborted and nothing was written: roll back and retry the whole transaction, whose new
     snapshot sees the reservation, so the retry returns the existing task with
     ``created=False``.
+    """
+
+    sqlstate = "40001"
+
+
+class TaskNotVisible(PgTaskError):
+    """The task was committed after this transaction's snapshot; retry the transaction.
+
+    Under REPEATABLE READ or SERIALIZABLE a transaction sees only what was committed before
+    its first statement: a signal to a task created since cannot be stored in it (SQLSTATE
+    40001, a serialization failure). Nothing was written: roll back and retry the whole
+    transaction, whose new snapshot sees the task. A task that does not exist at all raises
+    `TaskNotFound` instead.
     """
 
     sqlstate = "40001"
