@@ -142,7 +142,7 @@ class Worker:
         )
         self._completer = Completer(
             connection=self._connections["write"], book=self._book,
-            batch_size=options.write_batch_size,
+            batch_size=options.write_batch_size, lease_seconds=lease,
         )
         self._executor = Executor(
             registry=registry, book=self._book, sink=self._completer, worker_id=self.id,
