@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from sqlalchemy_pgtask import Registry, TaskContext, WorkerOptions
 from sqlalchemy_pgtask.testing import running_worker, wait_until
@@ -26,24 +26,39 @@ from tests.support.waiting import PATIENCE
 FAST = WorkerOptions(lease_duration=3.0, poll_interval=30.0, shutdown_grace=2.0)
 
 
-async def test_an_outcome_whose_waiting_parent_is_locked_does_not_hold_back_other_outcomes(
-    pgtask_database_url: str, pgtask_async_engine: AsyncEngine
-) -> None:
-    registry = Registry()
-    child_go = asyncio.Event()
-    children: list[uuid.UUID] = []
+def _family(registry: Registry, child_go: asyncio.Event) -> list[TaskContext]:
+    """Register a parent that spawns a child and returns its result, and the child, which
+    records each run's context and returns its attempt number once ``child_go`` is set."""
+    runs: list[TaskContext] = []
 
     @registry.task("parent")
     async def parent(ctx: TaskContext, payload: None) -> str:
         kid = await ctx.spawn("spawn", "child")
         done = await ctx.wait_for_result("wait", kid)
-        return str(done.state)
+        return str(done.result)
 
     @registry.task("child")
-    async def child(ctx: TaskContext, payload: None) -> str:
-        children.append(ctx.task_id)
+    async def child(ctx: TaskContext, payload: None) -> int:
+        runs.append(ctx)
         await child_go.wait()
-        return "child done"
+        return ctx.attempt
+
+    return runs
+
+
+async def _hold(holder: AsyncConnection, task_id: uuid.UUID) -> None:
+    """Lock the task's row in ``holder``'s transaction, as a business transaction would."""
+    await holder.execute(
+        text("SELECT 1 FROM pgtask.tasks WHERE id = :id FOR NO KEY UPDATE"), {"id": task_id}
+    )
+
+
+async def test_an_outcome_whose_waiting_parent_is_locked_does_not_hold_back_other_outcomes(
+    pgtask_database_url: str, pgtask_async_engine: AsyncEngine
+) -> None:
+    registry = Registry()
+    child_go = asyncio.Event()
+    runs = _family(registry, child_go)
 
     @registry.task("other")
     async def other(ctx: TaskContext, payload: None) -> str:
@@ -51,29 +66,27 @@ async def test_an_outcome_whose_waiting_parent_is_locked_does_not_hold_back_othe
 
     parent_id = await add(pgtask_async_engine, "parent")
     async with running_worker(registry, pgtask_database_url, FAST) as worker:
-        await wait_until(lambda: len(children) == 1, message="the child to start")
+        await wait_until(lambda: len(runs) == 1, message="the child to start")
+        child_id = runs[0].task_id
         await wait_for_state(pgtask_async_engine, parent_id, ("waiting",))
         async with pgtask_async_engine.connect() as holder:
             # A business transaction holds the waiting parent's row: the child's completion
             # cannot wake it now (55P03) and must be written later.
-            await holder.execute(
-                text("SELECT 1 FROM pgtask.tasks WHERE id = :id FOR NO KEY UPDATE"),
-                {"id": parent_id},
-            )
+            await _hold(holder, parent_id)
             child_go.set()
             # The child's outcome reaches the writer before the other task is even enqueued.
             await wait_until(lambda: worker.running_count == 0, message="the child to end")
             other_id = await add(pgtask_async_engine, "other")
             # While the parent stays locked, the unrelated outcome is written all the same.
             other_row = await wait_for_state(pgtask_async_engine, other_id, timeout=10)
-            assert (await task_row(pgtask_async_engine, children[0]))["state"] == "running"
+            assert (await task_row(pgtask_async_engine, child_id))["state"] == "running"
             await holder.rollback()
-        child_row = await wait_for_state(pgtask_async_engine, children[0], timeout=30)
+        child_row = await wait_for_state(pgtask_async_engine, child_id, timeout=30)
         parent_row = await wait_for_state(pgtask_async_engine, parent_id, timeout=30)
 
     assert (other_row["state"], other_row["result"]) == ("succeeded", "other done")
     assert (child_row["state"], child_row["attempt"]) == ("succeeded", 1)
-    assert [a["state"] for a in await attempt_rows(pgtask_async_engine, children[0])] == [
+    assert [a["state"] for a in await attempt_rows(pgtask_async_engine, child_id)] == [
         "succeeded"
     ]
     assert parent_row["state"] == "succeeded"
@@ -164,39 +177,17 @@ async def test_an_outcome_whose_waiting_parent_stays_locked_is_given_up_within_a
     # lease renewed; now it is given up after ten tries (within about a lease), its lease
     # lapses, and the child runs again once the parent is free.
     registry = Registry()
-    runs: list[int] = []
     child_go = asyncio.Event()
-
-    @registry.task("parent")
-    async def parent(ctx: TaskContext, payload: None) -> str:
-        kid = await ctx.spawn("spawn", "child")
-        done = await ctx.wait_for_result("wait", kid)
-        return str(done.result)
-
-    @registry.task("child")
-    async def child(ctx: TaskContext, payload: None) -> int:
-        runs.append(ctx.attempt)
-        await child_go.wait()
-        return ctx.attempt
-
+    runs = _family(registry, child_go)
     parent_id = await add(pgtask_async_engine, "parent")
     caplog.set_level(logging.INFO, logger="sqlalchemy_pgtask.worker")
     async with running_worker(registry, pgtask_database_url, FAST) as worker:
         await wait_until(lambda: len(runs) == 1, PATIENCE, message="the child to run")
         await wait_for_state(pgtask_async_engine, parent_id, ("waiting",))
+        child_id = runs[0].task_id
         async with pgtask_async_engine.connect() as holder:
-            await holder.execute(
-                text("SELECT 1 FROM pgtask.tasks WHERE id = :id FOR NO KEY UPDATE"),
-                {"id": parent_id},
-            )
+            await _hold(holder, parent_id)
             child_go.set()
-            async with pgtask_async_engine.connect() as conn:
-                child_id = (
-                    await conn.execute(
-                        text("SELECT id FROM pgtask.tasks WHERE parent_id = :id"),
-                        {"id": parent_id},
-                    )
-                ).scalar_one()
             await wait_until(lambda: bool(_given_up(caplog, child_id)), PATIENCE,
                              message="the child's outcome given up")
             await wait_until(lambda: worker.active_count == 0, PATIENCE,
@@ -207,7 +198,7 @@ async def test_an_outcome_whose_waiting_parent_stays_locked_is_given_up_within_a
 
     (message,) = _given_up(caplog, child_id)
     assert "after 10 tries" in message
-    assert runs == [1, 2]
+    assert [ctx.attempt for ctx in runs] == [1, 2]
     assert [a["state"] for a in await attempt_rows(pgtask_async_engine, child_id)] == [
         "lost", "succeeded",
     ]
