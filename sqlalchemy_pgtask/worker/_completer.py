@@ -206,9 +206,16 @@ class Completer:
         async with self._connection.use() as conn:
             for kind, group in by_kind.items():
                 written = await _execute(conn, kind, group)
+                # A stale and a current outcome of one task may share a batch: the row says
+                # only its id, and it can be the current one's alone (the higher attempt).
+                newest: dict[uuid.UUID, _Pending] = {}
+                for item in group:
+                    known = newest.setdefault(item.attempt.task_id, item)
+                    if item.attempt.lease.attempt > known.attempt.lease.attempt:
+                        newest[item.attempt.task_id] = item
                 for item in group:
                     state = written.get(item.attempt.task_id)
-                    if state is None:
+                    if state is None or newest[item.attempt.task_id] is not item:
                         unwritten.append(item)
                     else:
                         self._book.forget(item.attempt)
