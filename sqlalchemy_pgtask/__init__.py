@@ -47,6 +47,7 @@ from sqlalchemy_pgtask.enqueue import (
     enqueue_many_async,
 )
 from sqlalchemy_pgtask.errors import (
+    DuplicateStep,
     IdempotencyConflict,
     InvalidNameError,
     InvalidOptionError,
@@ -58,6 +59,7 @@ from sqlalchemy_pgtask.errors import (
     SchemaNotInstalled,
     TaskNotFound,
     TaskNotRetryable,
+    TaskNotVisible,
     ValidationError,
     WorkerCrashed,
 )
@@ -124,6 +126,7 @@ __all__ = [
     "Checkpoint",
     "ChildResult",
     "DeclaredSchedule",
+    "DuplicateStep",
     "EnqueueRequest",
     "EnqueueResult",
     "Explanation",
@@ -162,6 +165,7 @@ __all__ = [
     "TaskDefinition",
     "TaskNotFound",
     "TaskNotRetryable",
+    "TaskNotVisible",
     "TransactionStep",
     "ValidationError",
     "Wait",

@@ -166,7 +166,8 @@ class TaskContext(BaseTaskContext):
 
         The wake time is computed by PostgreSQL and stored; the attempt ends (`Suspended`
         unwinds the handler) and the task is pending again at the wake time. On replay an
-        elapsed sleep returns at once.
+        elapsed sleep returns at once; one whose stored wake time is still ahead (a retried
+        task) sleeps until that time again.
         """
         runtime = self._runtime()
         await runtime.sleep(runtime.key(name, occurrence), delay=seconds, wake_at=None)

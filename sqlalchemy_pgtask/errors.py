@@ -7,15 +7,20 @@ The tree::
      │    ├── InvalidNameError                  queue, task or key name breaks the naming rule
      │    ├── PayloadError                      not JSON, too large, or contains NUL characters
      │    └── InvalidOptionError                an option out of range or contradicting another
+     │         └── DuplicateStep                a durable handler used one step key twice in a run
      ├── QueueFull                              SQLSTATE PT001: the queue is at capacity
      ├── IdempotencyConflict                    SQLSTATE 40001: the key was taken by a
      │                                          transaction this one's snapshot cannot see
+     ├── TaskNotVisible                         SQLSTATE 40001: the task was committed after
+     │                                          this transaction's snapshot
      ├── SchemaNotInstalled                     the pgtask schema is missing or out of date
      ├── TaskNotFound                           no task with that id
      ├── TaskNotRetryable                       an administrative retry of a task that is
      │                                          not failed or cancelled
      ├── ReplayMismatch                         a durable call does not match what an
      │                                          earlier attempt recorded under its step key
+     │                                          (this one and DuplicateStep fail the task
+     │                                          at once: a retry would meet them again)
      ├── WorkerCrashed                          an internal loop of a worker failed; the
      │                                          worker stopped and handed its tasks back
      ├── PolicyConflict                         a handler's retry policy or max_attempts
@@ -32,6 +37,7 @@ not bad data: it raises the built-in ``TypeError``, before any SQL runs.
 from __future__ import annotations
 
 __all__ = [
+    "DuplicateStep",
     "IdempotencyConflict",
     "InvalidNameError",
     "InvalidOptionError",
@@ -44,6 +50,7 @@ __all__ = [
     "ServerNotFound",
     "TaskNotFound",
     "TaskNotRetryable",
+    "TaskNotVisible",
     "ValidationError",
     "WorkerCrashed",
 ]
@@ -86,6 +93,14 @@ class InvalidOptionError(ValidationError):
     """An option is out of range or contradicts another option."""
 
 
+class DuplicateStep(InvalidOptionError):
+    """A durable handler used the same step name and occurrence twice in one run.
+
+    Every run of the handler makes the same calls, so a retry would fail the same way: the
+    worker fails the task at once (error kind ``duplicate_step``).
+    """
+
+
 class QueueFull(PgTaskError):
     """The queue has reached its capacity of outstanding tasks (SQLSTATE PT001).
 
@@ -103,6 +118,19 @@ class IdempotencyConflict(PgTaskError):
     aborted and nothing was written: roll back and retry the whole transaction, whose new
     snapshot sees the reservation, so the retry returns the existing task with
     ``created=False``.
+    """
+
+    sqlstate = "40001"
+
+
+class TaskNotVisible(PgTaskError):
+    """The task was committed after this transaction's snapshot; retry the transaction.
+
+    Under REPEATABLE READ or SERIALIZABLE a transaction sees only what was committed before
+    its first statement: a signal to a task created since cannot be stored in it (SQLSTATE
+    40001, a serialization failure). Nothing was written: roll back and retry the whole
+    transaction, whose new snapshot sees the task. A task that does not exist at all raises
+    `TaskNotFound` instead.
     """
 
     sqlstate = "40001"
@@ -145,6 +173,8 @@ class ReplayMismatch(PgTaskError):
     For example ``ctx.step("charge", ...)`` where an earlier attempt slept under the step name
     ``"charge"``: the handler's durable calls changed incompatibly. Register the changed
     handler under a new version, and keep the old one registered until its tasks finish.
+    Every retry would meet the same checkpoint: the worker fails the task at once (error kind
+    ``replay_mismatch``).
     """
 
 

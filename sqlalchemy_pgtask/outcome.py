@@ -23,7 +23,12 @@ from typing import Any, Final, Literal
 from sqlalchemy_pgtask._logging import escape_controls
 from sqlalchemy_pgtask.context import StopReason
 from sqlalchemy_pgtask.control import Fail, LeaseLost, Retry, TaskCancelled
-from sqlalchemy_pgtask.errors import InvalidOptionError, PayloadError
+from sqlalchemy_pgtask.errors import (
+    DuplicateStep,
+    InvalidOptionError,
+    PayloadError,
+    ReplayMismatch,
+)
 from sqlalchemy_pgtask.retry import RetryPolicy
 from sqlalchemy_pgtask.validation import (
     ERROR_MAX_BYTES,
@@ -53,6 +58,8 @@ ErrorKind = Literal[
     "timeout",  # the attempt ran past its time limit; retried by policy
     "lease_expired",  # the worker died or stalled; recovery took the task back
     "outcome_rejected",  # the database refused to record the outcome
+    "replay_mismatch",  # a durable call differs from the one recorded: no retry, it would repeat
+    "duplicate_step",  # a step key used twice in one run: no retry, it would repeat
 ]
 
 #: The fenced statement an outcome is written with.
@@ -187,6 +194,21 @@ class Outcome:
     error_kind: ErrorKind | None = None
 
 
+def _replay_error(exc: BaseException | None) -> ErrorKind | None:
+    """``replay_mismatch`` or ``duplicate_step`` if ``exc`` is such an error, or was raised
+    from or while handling one (a handler's wrapper changes nothing: the next run of the same
+    code would meet it again); else None."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, ReplayMismatch):
+            return "replay_mismatch"
+        if isinstance(exc, DuplicateStep):
+            return "duplicate_step"
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def _failure(
     kind: ErrorKind, exc: BaseException | None, delay: float | None = None, **fields: Any
 ) -> Outcome:
@@ -275,6 +297,9 @@ def _decide(
             # An explicit Retry retries even under a "never" policy: at once.
             delay = policy.delay(failed_attempts + 1, rng) or 0.0
         return _failure("retry", raised, max(0.0, delay))
+    replay = _replay_error(raised)
+    if replay is not None:
+        return _failure(replay, raised)
     if isinstance(raised, non_retryable):
         return _failure("non_retryable", raised)
     # Anything else, a CancelledError the handler raised itself and SystemExit included.

@@ -44,15 +44,19 @@ def _cancel() -> ReturningUpdate[Any]:
     # Whether the call changes anything: a running task whose cancellation was requested
     # already gets no second request (the first one's time is kept).
     changed = or_(before.c.state != RUNNING, before.c.cancel_requested_at.is_(None))
+    # The statement's time may precede the change it waited for: an attempt that suspended
+    # while this statement waited for the row finished after that time. The task's times
+    # never go back, so no attempt finishes after its task completed.
+    at = func.greatest(NOW, tasks.c.updated_at)
     return (
         update(tasks)
         .where(tasks.c.id == before.c.id, tasks.c.state.in_(ACTIVE_STATES))
         .values(
             state=case((at_rest, CANCELLED), else_=tasks.c.state),
-            cancel_requested_at=func.coalesce(tasks.c.cancel_requested_at, NOW),
-            completed_at=case((at_rest, NOW), else_=tasks.c.completed_at),
+            cancel_requested_at=func.coalesce(tasks.c.cancel_requested_at, at),
+            completed_at=case((at_rest, at), else_=tasks.c.completed_at),
             error=case((at_rest, CANCELLED_ERROR), else_=tasks.c.error),
-            updated_at=NOW,
+            updated_at=at,
         )
         .returning(
             tasks.c.state,
@@ -65,7 +69,8 @@ def _cancel() -> ReturningUpdate[Any]:
 
 #: Cancels one task: a pending or waiting task becomes cancelled at once; for a running task
 #: the request is recorded, its worker stops the handler at its next lease renewal, and the
-#: task ends cancelled (no later success or retry is recorded). Locks the task row first
+#: task ends cancelled (no later success or retry is recorded). Its times are database time,
+#: never earlier than the task's last change (``updated_at``). Locks the task row first
 #: (``FOR NO KEY UPDATE``, then the update). Returns ``(state, queue, previous_state,
 #: changed)``: the task's state after the call, and whether the call changed anything (false
 #: for a running task whose cancellation was already requested); or no row when the task is

@@ -20,7 +20,9 @@ from sqlalchemy import (
     Select,
     SmallInteger,
     Text,
+    case,
     cast,
+    false,
     func,
     select,
     true,
@@ -57,11 +59,21 @@ __all__ = ["CHECKPOINT", "CHECKPOINTS", "FENCE_STATE", "SAVE_CHECKPOINT", "SLEEP
 
 # -- checkpoints ---------------------------------------------------------------------------
 
+_SLEEP_AHEAD: Final = case(
+    (
+        checkpoints.c.kind == const("sleep"),
+        cast(checkpoints.c.value.op("->>")(const("wake_at")), TSTZ) > NOW,
+    ),
+    else_=false(),
+)
+
 #: Every checkpoint of one task's handler version, read once when an attempt replays.
 #: Locks nothing; served by the primary key. Binds ``task``, ``handler_version``. Returns
-#: ``(step, occurrence, kind, value)``.
+#: ``(step, occurrence, kind, value, asleep)``; ``asleep``: a sleep whose wake time is still
+#: ahead in database time (the task was retried or woken early), which must sleep again.
 CHECKPOINTS: Final = select(
-    checkpoints.c.step, checkpoints.c.occurrence, checkpoints.c.kind, checkpoints.c.value
+    checkpoints.c.step, checkpoints.c.occurrence, checkpoints.c.kind, checkpoints.c.value,
+    _SLEEP_AHEAD.label("asleep"),
 ).where(
     checkpoints.c.task_id == task_bind(),
     checkpoints.c.version == bind("handler_version", Integer),
@@ -162,9 +174,9 @@ def _sleep() -> Select[Any]:
 #: A durable sleep until ``wake_at`` (a timestamp) or ``delay`` seconds of database time from
 #: now (bind the other as None). Fenced; locks the task row (not when its cancellation was
 #: requested: then nothing is written). Stores the wake time as the step's checkpoint (an
-#: existing one wins) and, if it lies in the future, suspends the attempt: the task is pending
-#: again at the wake time. Returns ``(held, wake_at, suspended)``. Binds `DurableParams`,
-#: ``wake_at``, ``delay``.
+#: existing one wins: a replay sent again sleeps until the wake time first stored) and, if it
+#: lies in the future, suspends the attempt: the task is pending again at the wake time.
+#: Returns ``(held, wake_at, suspended)``. Binds `DurableParams`, ``wake_at``, ``delay``.
 SLEEP: Final = _sleep()
 
 

@@ -154,26 +154,42 @@ def _register_signal_wait() -> Select[Any]:
 REGISTER_SIGNAL_WAIT: Final = _register_signal_wait()
 
 
-def _emit_signal() -> Any:
-    return (
+def _emit_signal() -> Select[Any]:
+    # Only for a task this statement sees: the foreign key's check would fail on any other
+    # with an error that aborts the caller's transaction, and under REPEATABLE READ or
+    # SERIALIZABLE it cannot tell a task committed after the snapshot from no task at all.
+    target = select(tasks.c.id).where(tasks.c.id == task_bind()).cte("target")
+    stored = (
         pg_insert(signals)
-        .values(
-            task_id=task_bind(),
-            name=bind("signal", Text),
-            occurrence=bind("signal_occurrence", Integer),
-            value=cast(bind("signal_value", Text), JSONB),
+        .from_select(
+            ["task_id", "name", "occurrence", "value"],
+            select(
+                target.c.id,
+                bind("signal", Text),
+                bind("signal_occurrence", Integer),
+                cast(bind("signal_value", Text), JSONB),
+            ),
         )
         # Takes the row lock of an existing signal and returns it: the first value wins.
         .on_conflict_do_update(
             index_elements=["task_id", "name", "occurrence"], set_={"value": signals.c.value}
         )
         .returning(signals.c.value)
+        .cte("stored")
+    )
+    return select(
+        select(stored.c.value).scalar_subquery().label("value"),
+        has_rows(target).label("found"),
+        func.current_setting(const("transaction_isolation")).label("isolation"),
     )
 
 
 #: Stores a signal for a task unless one with the same (name, occurrence) exists; either way
 #: returns the stored ``value``. Its trigger wakes the task if it waits for this signal. The
-#: foreign key takes a key-share lock on the task row. Binds ``task``, ``signal``,
+#: foreign key takes a key-share lock on the task row. A task the statement does not see is
+#: left alone (nothing fails, nothing is written): ``found`` is false, and ``isolation`` (the
+#: transaction's level) says whether that may be a task committed after the caller's
+#: snapshot. Returns ``(value, found, isolation)``. Binds ``task``, ``signal``,
 #: ``signal_occurrence``, ``signal_value`` (JSON text).
 EMIT_SIGNAL: Final = _emit_signal()
 

@@ -27,7 +27,7 @@ from sqlalchemy_pgtask._connection import parse_task_id, translated_errors
 from sqlalchemy_pgtask._enqueue_plan import EnqueueRequest, new_ids, validate_request
 from sqlalchemy_pgtask.control import LeaseLost, Suspended, TaskCancelled
 from sqlalchemy_pgtask.durable import ChildResult, StepKey
-from sqlalchemy_pgtask.errors import InvalidOptionError, ReplayMismatch
+from sqlalchemy_pgtask.errors import DuplicateStep, InvalidOptionError, ReplayMismatch
 from sqlalchemy_pgtask.registry import TaskDefinition
 from sqlalchemy_pgtask.statements import (
     CHECKPOINT,
@@ -89,6 +89,8 @@ class DurableAttempt:
             {} if self.lease.attempt == 1 else None
         )
         self._used: set[StepKey] = set()
+        #: Stored sleeps whose wake time was still ahead when the checkpoints were read.
+        self._asleep: set[StepKey] = set()
         #: A call of this attempt was sent again after a transient failure.
         self.retried = False
 
@@ -111,7 +113,7 @@ class DurableAttempt:
 
     def _check_unused(self, key: StepKey) -> None:
         if key in self._used:
-            raise InvalidOptionError(
+            raise DuplicateStep(
                 "step",
                 f"{key[0]!r} (occurrence {key[1]}) was already used in this run; give each "
                 "durable call its own step name, or count occurrences from durable data",
@@ -149,6 +151,7 @@ class DurableAttempt:
                 {"task": self.lease.task_id, "handler_version": self.ctx.version},
             )
             self._stored = {(r.step, r.occurrence): (r.kind, r.value) for r in rows}
+            self._asleep = {(r.step, r.occurrence) for r in rows if r.asleep}
         return self._lookup(key, kind)
 
     def remember(self, key: StepKey, kind: str, value: Any) -> None:
@@ -224,8 +227,10 @@ class DurableAttempt:
         seconds = None if delay is None else check_delay("seconds", delay)
         when = None if wake_at is None else check_run_at("when", wake_at)
         found, _ = await self.replayed(key, "sleep")
-        if found:
+        if found and key not in self._asleep:
             return
+        # A first sleep, or a replayed one whose wake time has not come (a retry, a task woken
+        # early): the statement keeps the wake time stored first and sleeps until it.
         self.retried = False
         params = {**self.params(key), "delay": seconds, "wake_at": when}
         row = (await self.calls.rows(self, SLEEP, params))[0]

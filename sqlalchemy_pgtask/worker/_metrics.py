@@ -74,7 +74,9 @@ QUEUE_BACKLOG: Final = _backlog_statement()
 class Metrics:
     """One worker's metric families, in a registry of its own."""
 
-    def __init__(self, *, concurrency: int, running: Callable[[], float]) -> None:
+    def __init__(
+        self, *, concurrency: int, running: Callable[[], float], set_aside: Callable[[], float]
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         registry = self.registry
         self.started = Counter(
@@ -82,15 +84,17 @@ class Metrics:
             _TASK, registry=registry,
         )
         self.succeeded = Counter(
-            "pgtask_tasks_succeeded", "Attempts whose handler returned a storable result.",
+            "pgtask_tasks_succeeded", "Attempts whose result was stored (counted when written).",
             _TASK, registry=registry,
         )
         self.failed = Counter(
-            "pgtask_tasks_failed", "Attempts that failed with no retry to follow.",
+            "pgtask_tasks_failed",
+            "Attempts stored as failed with no retry to follow (counted when written).",
             (*_TASK, "error_kind"), registry=registry,
         )
         self.retried = Counter(
-            "pgtask_tasks_retried", "Attempts that failed and will be retried.",
+            "pgtask_tasks_retried",
+            "Attempts stored as failed with a retry to follow (counted when written).",
             (*_TASK, "error_kind"), registry=registry,
         )
         self.duration = Histogram(
@@ -98,6 +102,17 @@ class Metrics:
             "Seconds from the handler's start to its end, by what the attempt led to.",
             (*_TASK, "outcome"), buckets=_DURATION_BUCKETS, registry=registry,
         )
+        self.given_up = Counter(
+            "pgtask_outcomes_given_up",
+            "Outcomes the writer gave up after tries cut short by a lock or statement_timeout "
+            "(the task is recovered once its lease expires).",
+            (*_TASK, "reason"), registry=registry,
+        )
+        Gauge(
+            "pgtask_outcomes_set_aside",
+            "Outcomes waiting to be written again (their row was locked, a try was cut short).",
+            registry=registry,
+        ).set_function(set_aside)
         self.claim_batch = Histogram(
             "pgtask_claim_batch_size", "Tasks taken by each claim statement (0: nothing due).",
             buckets=_BATCH_BUCKETS, registry=registry,

@@ -6,6 +6,10 @@ shares the book reaches it). The default, `NO_OBSERVER`, does nothing: with Open
 installed and no metrics port, a hook is one method call that returns at once. A hook that
 fails (a broken exporter) is logged and forgotten; the task's work never depends on it.
 
+Attempts are counted by what was written, when it was written (the statement says the task's
+new state): a success fenced out, or stored as cancelled by a request only the database knew,
+is not a success.
+
 `WorkerObserver` also answers the probes: ``/healthz`` (the process runs and none of the
 worker's loops has ended) and ``/readyz`` (registered, listening, reaching the database, and
 not draining).
@@ -28,7 +32,9 @@ if TYPE_CHECKING:
     from sqlalchemy_pgtask.worker._metrics import Metrics
     from sqlalchemy_pgtask.worker._runtime import Worker
 
-__all__ = ["NO_OBSERVER", "Observer", "WorkerObserver", "describe_outcome", "observe"]
+__all__ = [
+    "NO_OBSERVER", "Observer", "WorkerObserver", "describe_outcome", "observe", "written_label",
+]
 
 logger = logging.getLogger("sqlalchemy_pgtask.worker")
 
@@ -43,6 +49,16 @@ class Observer:
         self, attempt: ActiveAttempt, outcome: Outcome | None, raised: BaseException | None
     ) -> None:
         """The handler ended and ``outcome`` was decided (same task as `attempt_started`)."""
+
+    def outcome_written(self, attempt: ActiveAttempt, outcome: Outcome, state: str) -> None:
+        """The writer stored ``outcome``; the task is now in ``state``."""
+
+    def outcome_lost(self, attempt: ActiveAttempt, outcome: Outcome) -> None:
+        """``outcome`` was not written: the attempt's lease was gone by then."""
+
+    def outcome_given_up(self, attempt: ActiveAttempt, outcome: Outcome, reason: str) -> None:
+        """The writer gave ``outcome`` up after tries cut short (``reason``: the last one's
+        ``lock_not_available`` or ``statement_timeout``); its lease is left to expire."""
 
     def claimed(self, count: int) -> None:
         """A claim statement took ``count`` tasks."""
@@ -92,6 +108,14 @@ def describe_outcome(attempt: ActiveAttempt, outcome: Outcome | None) -> tuple[s
     return ("retrying" if outcome.delay is not None and budget_left else "failed"), True
 
 
+def written_label(outcome: Outcome, state: str) -> str:
+    """What a written outcome led to, from the state the statement left the task in:
+    ``succeeded``, ``failed``, ``cancelled``, ``retrying`` or ``released``."""
+    if state == "pending":
+        return "released" if outcome.kind == "release" else "retrying"
+    return state
+
+
 class WorkerObserver(Observer):
     """Traces attempts and steps (when OpenTelemetry is installed) and keeps the metrics and
     the probe server (when the worker has a metrics port)."""
@@ -107,6 +131,8 @@ class WorkerObserver(Observer):
         self.server: ProbeServer | None = None
         self._sampler: asyncio.Task[None] | None = None
         self._failed_once = False
+        #: Monotonic end of each handler whose outcome is still to be written.
+        self._ended: dict[ActiveAttempt, float] = {}
 
     def _failed(self, hook: str) -> None:
         if not self._failed_once:  # once: a broken exporter would otherwise flood the log
@@ -132,20 +158,58 @@ class WorkerObserver(Observer):
             span = self._spans.pop(attempt, None)
             if span is not None:
                 span.end(label, raised, error)
-            metrics = self.metrics
-            if metrics is None:
+            if self.metrics is None:
                 return
-            queue, name = attempt.ctx.queue, attempt.ctx.name
-            metrics.duration.labels(queue, name, label).observe(
-                time.monotonic() - attempt.started_at
-            )
-            if label == "succeeded":
-                metrics.succeeded.labels(queue, name).inc()
-            elif outcome is not None and label in ("failed", "retrying"):
-                counter = metrics.failed if label == "failed" else metrics.retried
-                counter.labels(queue, name, outcome.error_kind or "unknown").inc()
+            if outcome is None:  # suspended, or its lease lost: nothing is to be written
+                self._duration(attempt, label, time.monotonic())
+            else:
+                self._ended[attempt] = time.monotonic()
         except Exception:
             self._failed("attempt_finished")
+
+    def _duration(self, attempt: ActiveAttempt, label: str, ended: float) -> None:
+        assert self.metrics is not None
+        self.metrics.duration.labels(attempt.ctx.queue, attempt.ctx.name, label).observe(
+            ended - attempt.started_at
+        )
+
+    def _written(self, attempt: ActiveAttempt, label: str) -> bool:
+        """Observe the handler's duration under ``label``; False for an outcome of no
+        handler's (a row claimed ahead handed back) or without metrics."""
+        ended = self._ended.pop(attempt, None)
+        if self.metrics is None or ended is None:
+            return False
+        self._duration(attempt, label, ended)
+        return True
+
+    def outcome_written(self, attempt: ActiveAttempt, outcome: Outcome, state: str) -> None:
+        try:
+            label = written_label(outcome, state)
+            if not self._written(attempt, label):
+                return
+            assert self.metrics is not None
+            queue, name = attempt.ctx.queue, attempt.ctx.name
+            if label == "succeeded":
+                self.metrics.succeeded.labels(queue, name).inc()
+            elif label in ("failed", "retrying"):
+                counter = self.metrics.failed if label == "failed" else self.metrics.retried
+                counter.labels(queue, name, outcome.error_kind or "unknown").inc()
+        except Exception:
+            self._failed("outcome_written")
+
+    def outcome_lost(self, attempt: ActiveAttempt, outcome: Outcome) -> None:
+        try:
+            self._written(attempt, "lease_lost")
+        except Exception:
+            self._failed("outcome_lost")
+
+    def outcome_given_up(self, attempt: ActiveAttempt, outcome: Outcome, reason: str) -> None:
+        try:
+            if self.metrics is not None:
+                self.metrics.given_up.labels(attempt.ctx.queue, attempt.ctx.name, reason).inc()
+            self._written(attempt, "given_up")
+        except Exception:
+            self._failed("outcome_given_up")
 
     def claimed(self, count: int) -> None:
         if self.metrics is not None:
@@ -263,8 +327,11 @@ def observe(worker: Worker) -> Observer:
     if options.metrics_port is not None:
         from sqlalchemy_pgtask.worker._metrics import Metrics
 
-        book = worker._book
-        metrics = Metrics(concurrency=options.concurrency, running=lambda: book.unsettled)
+        book, completer = worker._book, worker._completer
+        metrics = Metrics(
+            concurrency=options.concurrency, running=lambda: book.unsettled,
+            set_aside=lambda: completer.set_aside,
+        )
     if tracing:
         telemetry.load_provider()
     observer = WorkerObserver(worker, tracing=tracing, metrics=metrics)

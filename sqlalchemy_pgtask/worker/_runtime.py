@@ -20,7 +20,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -44,6 +44,7 @@ from sqlalchemy_pgtask.worker._producer import Producer
 from sqlalchemy_pgtask.worker._reconnect import HeldConnection, owned_engine
 from sqlalchemy_pgtask.worker._registration import Registration
 from sqlalchemy_pgtask.worker._services import maintenance_services
+from sqlalchemy_pgtask.worker._stopped import Stopped
 from sqlalchemy_pgtask.worker._transactions import TransactionEngines
 
 __all__ = ["Worker"]
@@ -141,7 +142,7 @@ class Worker:
         )
         self._completer = Completer(
             connection=self._connections["write"], book=self._book,
-            batch_size=options.write_batch_size,
+            batch_size=options.write_batch_size, lease_seconds=lease,
         )
         self._executor = Executor(
             registry=registry, book=self._book, sink=self._completer, worker_id=self.id,
@@ -177,17 +178,17 @@ class Worker:
         #: The worker is cancelling its own loops: their ends are not failures.
         self._closing = False
         self._crash = asyncio.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped = Stopped()
         self._observer = observe(self)  # traces and metrics; does nothing if neither is on
 
     # -- public control ------------------------------------------------------------------
 
-    def shutdown(self, *, immediate: bool = False) -> None:
+    def shutdown(self, *, immediate: bool = False) -> Awaitable[None]:
         """Stop claiming and drain; a second call (or ``immediate``) stops at once.
 
-        Safe to call from any thread and from signal handlers.
+        Safe from any thread and signal handler; awaiting it (optional) waits for `run`'s end.
         """
-        loop = self._loop
+        loop = self._stopped.loop
 
         def request() -> None:
             if immediate or self._stopping.is_set():
@@ -203,6 +204,7 @@ class Worker:
             # call_soon would not wake a loop waiting in select() until its next timer.
             with contextlib.suppress(RuntimeError):  # closed in between
                 loop.call_soon_threadsafe(request)
+        return self._stopped
 
     async def wait_until_ready(self, timeout: float | None = None) -> None:
         """Return once the worker listens, is registered and its loops run."""
@@ -236,7 +238,7 @@ class Worker:
         :raises SchemaNotInstalled: the pgtask schema is missing.
         :raises PolicyConflict: a handler's policy differs from the one frozen in the database.
         """
-        self._loop = asyncio.get_running_loop()
+        self._stopped.start()
         try:
             await self._observer.start()
             await self._check_schema()
@@ -267,6 +269,7 @@ class Worker:
             raise
         finally:
             await self._close()
+            self._stopped.set()
         if self._crashed is not None:
             name, exc = self._crashed
             raise WorkerCrashed(f"the worker's {name} loop failed: {exc!r}") from exc
@@ -279,8 +282,8 @@ class Worker:
             if self._closing or self._crashed is not None:
                 return
             if done.cancelled():
-                if name == "producer" and self._stopping.is_set():
-                    return  # the stop cancels a claim in flight on purpose
+                if (name == "producer" and self._stopping.is_set()) or self._stopped.cancelling():
+                    return  # the stop cancels a claim in flight; or run() is cancelled too
                 failure: BaseException = RuntimeError(f"{name} loop was cancelled from outside")
             else:
                 exc = done.exception()

@@ -290,7 +290,7 @@ async def test_a_step_key_used_twice_in_one_run_is_refused(
     async with running_worker(registry, pgtask_database_url, OPTIONS):
         row = await wait_for_state(pgtask_async_engine, task_id, timeout=PATIENCE)
     assert row["state"] == "failed"
-    assert row["error"]["exception"].endswith("InvalidOptionError")
+    assert row["error"]["exception"].endswith("DuplicateStep")  # an InvalidOptionError
     assert "already used in this run" in row["error"]["message"]
 
 

@@ -13,7 +13,15 @@ from typing import Any
 
 import pytest
 
-from sqlalchemy_pgtask import Fail, LeaseLost, Retry, RetryPolicy, TaskCancelled
+from sqlalchemy_pgtask import (
+    DuplicateStep,
+    Fail,
+    LeaseLost,
+    ReplayMismatch,
+    Retry,
+    RetryPolicy,
+    TaskCancelled,
+)
 from sqlalchemy_pgtask.context import StopReason
 from sqlalchemy_pgtask.outcome import Outcome, decide
 
@@ -209,3 +217,36 @@ def test_an_outcome_that_cannot_be_read_is_a_handler_error_retried_by_policy(
     assert outcome is not None
     assert (outcome.kind, outcome.error_kind, outcome.delay) == ("fail", "handler_error", 5.0)
     assert document(outcome)["type"] == "handler_error"
+
+
+def _raised_from(cause: BaseException, wrapper: BaseException) -> BaseException:
+    try:
+        try:
+            raise cause
+        except BaseException as exc:
+            raise wrapper from exc
+    except BaseException as exc:
+        return exc
+
+
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [
+        (ReplayMismatch("step 'a': stored as a step, not a sleep"), "replay_mismatch"),
+        (DuplicateStep("step", "'a' (occurrence 0) was already used in this run"),
+         "duplicate_step"),
+    ],
+)
+def test_a_durable_call_that_can_never_replay_fails_for_good(
+    error: BaseException, kind: str
+) -> None:
+    # Deterministic: every retry would run into it again. So does a handler's own error
+    # raised from it; an explicit Retry is the handler's to ask for, and is obeyed.
+    for raised in (error, _raised_from(error, LookupError("could not go on"))):
+        outcome = run(raised=raised)
+        assert outcome is not None
+        assert (outcome.kind, outcome.delay, outcome.error_kind) == ("fail", None, kind)
+        assert document(outcome)["type"] == kind
+    asked = run(raised=_raised_from(error, Retry(delay=1.0)))
+    assert asked is not None
+    assert (asked.error_kind, asked.delay) == ("retry", 1.0)
