@@ -22,15 +22,19 @@ import contextlib
 import logging
 import random
 import time
+import uuid
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
+from sqlalchemy import Row
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask._asyncio import bounded
 from sqlalchemy_pgtask.statements.rescue import RESCUE, WORKER_LOCKS, WORKER_LOCKS_WITHOUT_ENDINGS
 from sqlalchemy_pgtask.worker._reconnect import Backoff, HeldConnection, brief, is_transient
+from sqlalchemy_pgtask.worker._set_aside import SetAside, cut_short
 from sqlalchemy_pgtask.worker._sightings import Sightings
 
 __all__ = [
@@ -125,33 +129,79 @@ class Rescue:
 
 
 class WaitTimeouts:
-    """Times out signal and child-result waits whose database deadline has passed."""
+    """Times out signal and child-result waits whose database deadline has passed.
+
+    A wait whose rows another transaction holds (its task, its child, any task in the child's
+    subtree) is skipped by the batch statement; after a batch that failed all the same (past
+    ``statement_timeout``, say) the due waits are tried one at a time. Either way a wait that
+    cannot be timed out now is set aside (`worker._set_aside`) with a log line naming its task,
+    and the others go ahead.
+    """
 
     name = "wait timeouts"
 
     def __init__(self, *, interval: float, batch_size: int) -> None:
         self.interval = interval
         self._batch = batch_size
+        self._aside = SetAside("wait timeout")
 
     async def run_once(self, connection: AsyncConnection) -> float | None:
         woken = 0
         for _ in range(MAX_BATCHES_PER_PASS):
-            rows = (
-                await connection.execute(statements.WAIT_TIMEOUTS, {"limit": self._batch})
-            ).all()
-            woken += len(rows)
-            if rows:
-                logger.info("%d wait(s) timed out", len(rows))
+            aside = self._aside.resting()
+            try:
+                rows = (await connection.execute(
+                    statements.WAIT_TIMEOUTS, {"limit": self._batch, "aside": aside}
+                )).all()
+            except DBAPIError as exc:
+                reason = cut_short(exc)
+                if reason is None:
+                    raise
+                await connection.rollback()
+                logger.info("timing out waits was cut short (%s); one by one now", reason)
+                rows = await self._one_by_one(connection, aside)
+            done = [row.id for row in rows if not row.held]
+            self._aside.release(done)
+            for row in rows:
+                if row.held:
+                    self._aside.hold(row.id, "a transaction holds its task or its child's tree")
+            woken += len(done)
+            if done:
+                logger.info("%d wait(s) timed out", len(done))
             if len(rows) < self._batch:
                 break
-        due = (await connection.execute(statements.NEXT_WAIT_TIMEOUT)).scalar()
+        due = (await connection.execute(
+            statements.NEXT_WAIT_TIMEOUT, {"aside": self._aside.resting()}
+        )).scalar()
+        rest = self._aside.until_next()
         if due is None:
-            return None
+            return rest
+        seconds = max(0.0, float(due))
         if due <= 0 and not woken:
-            # Due, yet nothing could be taken: another transaction holds those rows. Look
-            # again in a moment rather than spin.
-            return min(self.interval, _HELD_RETRY)
-        return max(0.0, float(due))
+            # Due, yet nothing could be taken: another pass holds those rows. Look again in
+            # a moment rather than spin.
+            seconds = min(self.interval, _HELD_RETRY)
+        return seconds if rest is None else min(rest, seconds)
+
+    async def _one_by_one(
+        self, connection: AsyncConnection, aside: list[uuid.UUID]
+    ) -> list[Row[Any]]:
+        """Each due wait alone; one that fails again is set aside."""
+        ids = (await connection.execute(
+            statements.DUE_WAITS, {"limit": self._batch, "aside": aside}
+        )).scalars().all()
+        rows: list[Row[Any]] = []
+        for task in ids:
+            try:
+                found = await connection.execute(statements.WAIT_TIMEOUT, {"task": task})
+                rows.extend(found.all())
+            except DBAPIError as exc:
+                reason = cut_short(exc)
+                if reason is None:
+                    raise
+                await connection.rollback()
+                self._aside.hold(task, reason)
+        return rows
 
 
 class WorkerPruning:
