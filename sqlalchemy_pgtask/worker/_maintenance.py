@@ -22,19 +22,24 @@ import contextlib
 import logging
 import random
 import time
-import uuid
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
-from sqlalchemy import Row
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask._asyncio import bounded
-from sqlalchemy_pgtask.statements.rescue import RESCUE, WORKER_LOCKS, WORKER_LOCKS_WITHOUT_ENDINGS
+from sqlalchemy_pgtask.statements.rescue import (
+    EXPIRED,
+    ORPHANS,
+    RECOVER_ONE,
+    RESCUE,
+    RESCUE_ONE,
+    WORKER_LOCKS,
+    WORKER_LOCKS_WITHOUT_ENDINGS,
+)
 from sqlalchemy_pgtask.worker._reconnect import Backoff, HeldConnection, brief, is_transient
-from sqlalchemy_pgtask.worker._set_aside import SetAside, cut_short
+from sqlalchemy_pgtask.worker._set_aside import SetAside, batched
 from sqlalchemy_pgtask.worker._sightings import Sightings
 
 __all__ = [
@@ -77,15 +82,22 @@ class Recovery:
     def __init__(self, *, interval: float, batch_size: int) -> None:
         self.interval = interval
         self._batch = batch_size
+        #: Tasks whose recovery another transaction held back (a descendant its cascade
+        #: cancels, its waiting parent, its attempt row), or that ran past statement_timeout.
+        self._aside = SetAside("recovery")
 
     async def run_once(self, connection: AsyncConnection) -> float | None:
         for _ in range(MAX_BATCHES_PER_PASS):
-            rows = (await connection.execute(statements.RECOVER, {"limit": self._batch})).all()
+            rows = await batched(
+                connection, self._aside, {"limit": self._batch},
+                batch=statements.RECOVER, listing=EXPIRED, one=RECOVER_ONE,
+            )
+            self._aside.release([row.id for row in rows])
             if rows:
                 logger.warning("recovered %d task(s) with expired leases", len(rows))
             if len(rows) < self._batch:
                 break
-        return None
+        return self._aside.until_next()
 
 
 class Rescue:
@@ -102,6 +114,7 @@ class Rescue:
         self.interval = interval
         self._batch = batch_size
         self._sightings = Sightings()
+        self._aside = SetAside("rescue")
 
     async def run_once(self, connection: AsyncConnection) -> float | None:
         counted = (connection.dialect.server_version_info or (14,)) >= (14,)
@@ -109,13 +122,15 @@ class Rescue:
         doomed = self._sightings.gone((await connection.execute(look)).one())
         rescued = 0
         for _ in range(MAX_BATCHES_PER_PASS) if doomed else ():
-            rows = (
-                await connection.execute(RESCUE, {"owners": list(doomed), "limit": self._batch})
-            ).all()
+            rows = await batched(
+                connection, self._aside, {"owners": list(doomed), "limit": self._batch},
+                batch=RESCUE, listing=ORPHANS, one=RESCUE_ONE,
+            )
+            self._aside.release([row.id for row in rows])
             rescued += len(rows)
             if len(rows) < self._batch:
                 break
-        if doomed and not rescued:
+        if doomed and not rescued and not len(self._aside):
             # Nothing of theirs is left running: forget them until seen holding a lock again.
             self._sightings.forget(doomed)
         if rescued:
@@ -125,7 +140,9 @@ class Rescue:
             )
         # A lock just found missing: look again soon (a worker that only lost its
         # connections for a moment has taken it again by then), not a whole interval later.
-        return self.interval / 2 if self._sightings.missing else None
+        sooner = self.interval / 2 if self._sightings.missing else None
+        rest = self._aside.until_next()
+        return rest if sooner is None else sooner if rest is None else min(sooner, rest)
 
 
 class WaitTimeouts:
@@ -148,18 +165,11 @@ class WaitTimeouts:
     async def run_once(self, connection: AsyncConnection) -> float | None:
         woken = 0
         for _ in range(MAX_BATCHES_PER_PASS):
-            aside = self._aside.resting()
-            try:
-                rows = (await connection.execute(
-                    statements.WAIT_TIMEOUTS, {"limit": self._batch, "aside": aside}
-                )).all()
-            except DBAPIError as exc:
-                reason = cut_short(exc)
-                if reason is None:
-                    raise
-                await connection.rollback()
-                logger.info("timing out waits was cut short (%s); one by one now", reason)
-                rows = await self._one_by_one(connection, aside)
+            rows = await batched(
+                connection, self._aside, {"limit": self._batch},
+                batch=statements.WAIT_TIMEOUTS, listing=statements.DUE_WAITS,
+                one=statements.WAIT_TIMEOUT,
+            )
             done = [row.id for row in rows if not row.held]
             self._aside.release(done)
             for row in rows:
@@ -182,26 +192,6 @@ class WaitTimeouts:
             # a moment rather than spin.
             seconds = min(self.interval, _HELD_RETRY)
         return seconds if rest is None else min(rest, seconds)
-
-    async def _one_by_one(
-        self, connection: AsyncConnection, aside: list[uuid.UUID]
-    ) -> list[Row[Any]]:
-        """Each due wait alone; one that fails again is set aside."""
-        ids = (await connection.execute(
-            statements.DUE_WAITS, {"limit": self._batch, "aside": aside}
-        )).scalars().all()
-        rows: list[Row[Any]] = []
-        for task in ids:
-            try:
-                found = await connection.execute(statements.WAIT_TIMEOUT, {"task": task})
-                rows.extend(found.all())
-            except DBAPIError as exc:
-                reason = cut_short(exc)
-                if reason is None:
-                    raise
-                await connection.rollback()
-                self._aside.hold(task, reason)
-        return rows
 
 
 class WorkerPruning:

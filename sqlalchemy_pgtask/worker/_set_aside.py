@@ -15,11 +15,14 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Final
+from collections.abc import Mapping
+from typing import Any, Final
 
+from sqlalchemy import Executable, Row
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncConnection
 
-__all__ = ["CUT_SHORT", "SetAside", "cut_short"]
+__all__ = ["CUT_SHORT", "SetAside", "batched", "cut_short"]
 
 logger = logging.getLogger("sqlalchemy_pgtask.worker")
 
@@ -46,7 +49,7 @@ class SetAside:
 
     def __init__(self, what: str) -> None:
         #: What the pass does to a task, for the log ("wait timeout", "recovery").
-        self._what = what
+        self.what = what
         #: Task id -> (monotonic time its rest ends, the length of that rest).
         self._resting: dict[uuid.UUID, tuple[float, float]] = {}
 
@@ -65,7 +68,7 @@ class SetAside:
         rest = REST_FIRST if previous is None else min(REST_MAX, 2 * previous[1])
         self._resting[key] = (time.monotonic() + rest, rest)
         logger.warning(
-            "%s of task %s held back (%s); set aside for %.1fs", self._what, key, reason, rest
+            "%s of task %s held back (%s); set aside for %.1fs", self.what, key, reason, rest
         )
 
     def release(self, keys: list[uuid.UUID]) -> None:
@@ -81,3 +84,34 @@ class SetAside:
 
     def __len__(self) -> int:
         return len(self._resting)
+
+
+async def batched(
+    connection: AsyncConnection, aside: SetAside, params: Mapping[str, Any], *,
+    batch: Executable, listing: Executable, one: Executable,
+) -> list[Row[Any]]:
+    """Run ``batch`` (bound with ``params`` and ``aside``: the tasks resting); if another
+    transaction or a timeout cuts it short, run ``one`` for each task ``listing`` names
+    (``task`` bound), and set aside each that is cut short again. ``connection`` is in
+    autocommit: each statement is its own transaction. Returns the rows of what ran."""
+    resting = aside.resting()
+    try:
+        return list((await connection.execute(batch, {**params, "aside": resting})).all())
+    except DBAPIError as exc:
+        reason = cut_short(exc)
+        if reason is None:
+            raise
+        await connection.rollback()
+        logger.info("%s of a batch was cut short (%s); one by one now", aside.what, reason)
+    ids = (await connection.execute(listing, {**params, "aside": resting})).scalars().all()
+    rows: list[Row[Any]] = []
+    for task in ids:
+        try:
+            rows.extend((await connection.execute(one, {**params, "task": task})).all())
+        except DBAPIError as exc:
+            reason = cut_short(exc)
+            if reason is None:
+                raise
+            await connection.rollback()
+            aside.hold(task, reason)
+    return rows
