@@ -262,15 +262,19 @@ def _wait_timeouts(*, one: bool) -> CompoundSelect[Any]:
         .cte("due")
     )
     # The timed-out children and all their descendants, each with the task whose wait timed
-    # out (read, not locked: one walk of each subtree).
+    # out, read in one walk: one probe of ix_tasks_parent per task, in a lateral subquery the
+    # planner cannot flatten (OFFSET 0) into a join it may plan as a scan of the whole table
+    # per level (n^2 on a deep chain, when its estimate is tiny after a large insert).
     base = (
         select(due.c.child_id.label("id"), due.c.task_id.label("waiter"))
         .where(due.c.child_id.is_not(None))
         .cte("subtree", recursive=True)
     )
     below = tasks.alias("below")
+    children = select(below.c.id).where(below.c.parent_id == base.c.id).offset(0)
+    step = children.lateral("children")
     subtree = base.union_all(
-        select(below.c.id, base.c.waiter).where(below.c.parent_id == base.c.id)
+        select(step.c.id, base.c.waiter).select_from(base.join(step, true()))
     )
     active = (
         select(subtree.c.id, subtree.c.waiter)
@@ -285,12 +289,8 @@ def _wait_timeouts(*, one: bool) -> CompoundSelect[Any]:
         .cte("locked")
     )
     # Anti-joins, never NOT IN (a subplan that may probe a 100,000-row list per row).
-    held = (
-        select(active.c.waiter)
-        .where(~exists().where(locked.c.id == active.c.id))
-        .distinct()
-        .cte("held")
-    )
+    unlocked = ~exists().where(locked.c.id == active.c.id)
+    held = select(active.c.waiter).where(unlocked).distinct().cte("held")
     ready = select(due).where(~exists().where(held.c.waiter == due.c.task_id)).cte("ready")
     doomed = (
         select(active.c.id, active.c.waiter)
