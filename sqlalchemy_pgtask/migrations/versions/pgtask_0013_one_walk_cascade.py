@@ -11,10 +11,11 @@ n^2/2 row visits: 5.7 s to cancel the root of a chain of 4,000, and the parent a
 of 2,000 could not record its outcome under ``statement_timeout = 3s``.
 
 * The function is replaced, with the same trigger, locks and results. It walks the subtree
-  level by level by ``parent_id`` alone (a state condition in the walk let the planner scan
-  every outstanding task per level through ``ix_tasks_outstanding``), never into a finished
-  task (everything below one was cancelled when it ended, or is running and was asked to
-  stop), then cancels what it found with one update. The firings that update causes (each
+  level by level, one probe of ``ix_tasks_parent`` per task (a join or a state condition in
+  the walk could be planned, and the plan cached for the session, as a scan of every task or
+  every outstanding one per level), never into a finished task (everything below one was
+  cancelled when it ended, or is running and was asked to stop), then cancels what it found
+  with one update. The firings that update causes (each
   descendant it cancels) find no unfinished child and end after one index probe: the
   cascade is one walk of the subtree, plus a constant per cancelled descendant.
 * A cancelled descendant's times are ``greatest(now, updated_at)``, as ``cancel()``'s: they
@@ -40,14 +41,19 @@ DECLARE
     doomed uuid[] := '{}';
     stamp timestamptz;
 BEGIN
-    -- Level by level, by parent_id alone: a state condition here would let the planner
-    -- scan every outstanding task per level (ix_tasks_outstanding), n^2 on a chain. Never
-    -- into a finished task: everything below one was cancelled when it ended.
+    -- Level by level, one probe of ix_tasks_parent per task: a lateral subquery the planner
+    -- cannot flatten (OFFSET 0), by parent_id alone. A join, or a state condition, could be
+    -- planned (and the plan cached for the session) as a scan of every task or every
+    -- outstanding one per level: n^2 on a chain. Never into a finished task: everything
+    -- below one was cancelled when it ended.
     LOOP
-        SELECT coalesce(array_agg(id) FILTER (WHERE state IN ('pending', 'running', 'waiting')),
+        SELECT coalesce(array_agg(c.id) FILTER (WHERE c.state IN ('pending', 'running', 'waiting')),
                         '{}')
         INTO level
-        FROM pgtask.tasks WHERE parent_id = ANY (level);
+        FROM unnest(level) AS p(id)
+        CROSS JOIN LATERAL (
+            SELECT t.id, t.state FROM pgtask.tasks AS t WHERE t.parent_id = p.id OFFSET 0
+        ) AS c;
         EXIT WHEN cardinality(level) = 0;
         IF cardinality(level) = 1 THEN
             doomed := array_append(doomed, level[1]);  -- in place: a chain stays linear
