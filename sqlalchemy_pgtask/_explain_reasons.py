@@ -97,11 +97,8 @@ class Explanation:
 
     def lines(self) -> list[str]:
         """The summary as lines: the task, then ``- <message>`` per reason."""
-        head = (
-            f"task {self.task_id} ({self.name} v{self.version}, queue {self.queue}): "
-            f"{self.state}"
-        )
-        return [head, *(f"- {reason.message}" for reason in self.reasons)]
+        head = f"task {self.task_id} ({self.name} v{self.version}, queue {self.queue}): "
+        return [head + self.state, *(f"- {reason.message}" for reason in self.reasons)]
 
     @property
     def summary(self) -> str:
@@ -235,6 +232,9 @@ def _recovery(task: Any) -> str:
 def _timeout(deadline: datetime | None, now: datetime) -> str:
     if deadline is None:
         return "with no timeout"
+    if deadline <= now:  # the timeout pass skips a wait whose rows a transaction holds
+        return (f"timed out at {_at(deadline, now)}, not yet applied (a transaction may hold "
+                "this task, its child or a task below that child)")
     return f"until it times out at {_at(deadline, now)}"
 
 

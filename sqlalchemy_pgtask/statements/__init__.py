@@ -70,12 +70,14 @@ from sqlalchemy_pgtask.statements.steps import (
     SPAWN,
 )
 from sqlalchemy_pgtask.statements.waits import (
+    DUE_WAITS,
     EMIT_SIGNAL,
     LOCK_CHILD,
     LOCK_FOR_WAIT,
     NEXT_WAIT_TIMEOUT,
     REGISTER_RESULT_WAIT,
     REGISTER_SIGNAL_WAIT,
+    WAIT_TIMEOUT,
     WAIT_TIMEOUTS,
 )
 from sqlalchemy_pgtask.statements.workers import (
@@ -107,6 +109,7 @@ __all__ = [
     "CLEAR_CAPABILITIES",
     "COMPLETE",
     "DEFAULT_IDEMPOTENCY_RETENTION_SECONDS",
+    "DUE_WAITS",
     "EMIT_SIGNAL",
     "ENQUEUE_BATCH",
     "ENQUEUE_BATCH_IDEMPOTENT",
@@ -141,6 +144,7 @@ __all__ = [
     "SPAWN",
     "STORED_POLICIES",
     "TAKE_OVER_KEYS",
+    "WAIT_TIMEOUT",
     "WAIT_TIMEOUTS",
     "Capability",
     "CapabilityParams",

@@ -357,14 +357,15 @@ def recover_from(expired: CTE, error: ColumnElement[Any] = _EXPIRED_ERROR) -> Se
     return select(done.c.id, done.c.state).add_cte(recorded)
 
 
-#: Recovers up to ``limit`` running tasks whose lease expired (their worker died or stalled):
-#: pending again at once while attempts remain (the lost attempt counts as failed), failed
-#: otherwise, cancelled if cancellation was requested. Locks the expired rows with ``SKIP
-#: LOCKED`` so recoverers never wait on each other; served by ``ix_tasks_lease_expiry``. Returns
-#: ``(id, state)`` per recovered task.
+#: Recovers up to ``limit`` running tasks whose lease expired (their worker died or stalled),
+#: except those in ``aside`` (default none): pending again at once while attempts remain (the
+#: lost attempt counts as failed), failed otherwise, cancelled if cancellation was requested.
+#: Locks the expired rows with ``SKIP LOCKED`` so recoverers never wait on each other; served
+#: by ``ix_tasks_lease_expiry``. Returns ``(id, state)`` per recovered task.
 RECOVER: Final = recover_from(
     select(tasks.c.id)
-    .where(tasks.c.state == literal_column("'running'"), tasks.c.lease_expires_at <= NOW)
+    .where(tasks.c.state == literal_column("'running'"), tasks.c.lease_expires_at <= NOW,
+           tasks.c.id != func.all(bindparam("aside", [], type_=ARRAY(UUID_T))))
     .order_by(tasks.c.lease_expires_at, tasks.c.id)
     .limit(bindparam("limit", type_=Integer))
     .with_for_update(skip_locked=True, key_share=True)

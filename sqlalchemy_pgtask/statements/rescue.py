@@ -31,6 +31,7 @@ from sqlalchemy import (
     BigInteger,
     ColumnElement,
     Integer,
+    Select,
     Text,
     any_,
     bindparam,
@@ -44,10 +45,13 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, OID
 
-from sqlalchemy_pgtask.statements._common import TSTZ, UUID_T, tasks, workers
+from sqlalchemy_pgtask.statements._common import NOW, TSTZ, UUID_T, tasks, workers
 from sqlalchemy_pgtask.statements.lease import recover_from
 
-__all__ = ["LOCK_NAMESPACE", "RESCUE", "WORKER_LOCKS", "WORKER_LOCKS_WITHOUT_ENDINGS"]
+__all__ = [
+    "EXPIRED", "LOCK_NAMESPACE", "ORPHANS", "RECOVER_ONE", "RESCUE", "RESCUE_ONE", "WORKER_LOCKS",
+    "WORKER_LOCKS_WITHOUT_ENDINGS",
+]
 
 #: The first key of every worker's advisory lock ("pgta"); the second is the worker's
 #: ``lock_key`` (1 to 2**31 - 1, random: two workers sharing one only delay a rescue).
@@ -139,21 +143,40 @@ WORKER_LOCKS: Final = _worker_locks(endings=True)
 WORKER_LOCKS_WITHOUT_ENDINGS: Final = _worker_locks(endings=False)
 
 
-def _rescue() -> Any:
+def _aside() -> ColumnElement[bool]:
+    return tasks.c.id != func.all(bindparam("aside", [], type_=ARRAY(UUID_T)))
+
+
+def _orphans(*, one: bool) -> Select[Any]:
     keys = _held_keys()
     still_gone = select(workers.c.id).where(
         workers.c.id == any_(bindparam("owners", type_=ARRAY(UUID_T))),
         workers.c.lock_key.is_not(None),
         ~_holds(keys),
     )
-    orphans = (
+    chosen = tasks.c.id == bindparam("task", type_=UUID_T) if one else _aside()
+    return (
         select(tasks.c.id)
-        .where(tasks.c.state == literal_column("'running'"), tasks.c.lease_owner.in_(still_gone))
+        .where(tasks.c.state == literal_column("'running'"), tasks.c.lease_owner.in_(still_gone),
+               chosen)
         .order_by(tasks.c.id)
-        .limit(bindparam("limit", type_=Integer))
-        .with_for_update(skip_locked=True, key_share=True)
-        .cte("orphans")
+        .limit(1 if one else bindparam("limit", type_=Integer))
     )
+
+
+def _expired(*, one: bool) -> Select[Any]:
+    chosen = tasks.c.id == bindparam("task", type_=UUID_T) if one else _aside()
+    return (
+        select(tasks.c.id)
+        .where(tasks.c.state == literal_column("'running'"), tasks.c.lease_expires_at <= NOW,
+               chosen)
+        .order_by(tasks.c.lease_expires_at, tasks.c.id)
+        .limit(1 if one else bindparam("limit", type_=Integer))
+    )
+
+
+def _rescue(*, one: bool) -> Any:
+    orphans = _orphans(one=one).with_for_update(skip_locked=True, key_share=True).cte("orphans")
     return recover_from(orphans, _GONE_ERROR)
 
 
@@ -161,5 +184,23 @@ def _rescue() -> Any:
 #: (still) gone, as `RECOVER` does for expired leases, without waiting for the lease: the lost
 #: attempt counts as failed (error ``lease_expired``, reason ``worker_gone``). Reads the
 #: running tasks through ``ix_tasks_lease_expiry``; locks the orphans ``SKIP LOCKED``.
-#: Returns ``(id, state)``.
-RESCUE: Final = _rescue()
+#: Returns ``(id, state)``. Leaves out the tasks in ``aside`` (default none).
+RESCUE: Final = _rescue(one=False)
+
+#: The ids `RESCUE` would take (up to ``limit``, none of ``aside``), read without locking:
+#: after a batch that failed, each is taken alone (`RESCUE_ONE`), so one never holds back the
+#: others. Binds ``owners``, ``limit``, ``aside``.
+ORPHANS: Final = _orphans(one=False)
+
+#: `RESCUE` for the one task ``task`` (if it is still an orphan of ``owners``).
+RESCUE_ONE: Final = _rescue(one=True)
+
+#: The ids `statements.RECOVER` would take (up to ``limit``, none of ``aside``), read without
+#: locking, earliest expiry first.
+EXPIRED: Final = _expired(one=False)
+
+#: `statements.RECOVER` for the one task ``task`` (if its lease has expired): tried alone after
+#: a batch failed. Returns ``(id, state)``.
+RECOVER_ONE: Final = recover_from(
+    _expired(one=True).with_for_update(skip_locked=True, key_share=True).cte("expired")
+)

@@ -21,20 +21,23 @@ from typing import Any, Final
 from sqlalchemy import (
     CTE,
     ColumnElement,
+    CompoundSelect,
     Double,
     Integer,
     Select,
     Text,
+    bindparam,
     case,
     cast,
     exists,
+    false,
     func,
     literal_column,
     select,
     true,
     update,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from sqlalchemy_pgtask.statements._common import (
@@ -61,12 +64,14 @@ from sqlalchemy_pgtask.statements._fence import (
 from sqlalchemy_pgtask.states import ACTIVE_STATES, TERMINAL_STATES
 
 __all__ = [
+    "DUE_WAITS",
     "EMIT_SIGNAL",
     "LOCK_CHILD",
     "LOCK_FOR_WAIT",
     "NEXT_WAIT_TIMEOUT",
     "REGISTER_RESULT_WAIT",
     "REGISTER_SIGNAL_WAIT",
+    "WAIT_TIMEOUT",
     "WAIT_TIMEOUTS",
 ]
 
@@ -236,36 +241,61 @@ REGISTER_RESULT_WAIT: Final = _register_result_wait()
 # -- wait timeouts (maintenance) -----------------------------------------------------------
 
 
-def _wait_timeouts() -> Select[Any]:
-    # Parents first, then children, each with SKIP LOCKED: a child being finished (its
-    # completion locks it, then the parent) is left for a later pass instead of deadlocking.
+def _wait_timeouts(*, one: bool) -> CompoundSelect[Any]:
+    # Every row this statement changes is locked first with SKIP LOCKED (the waiting task, its
+    # child and the child's whole subtree), so it never waits for another transaction: a wait
+    # whose rows are not all free is reported held and left for a later pass, and the others
+    # in the batch go ahead. FOR NO KEY UPDATE, as the update itself: a weaker lock taken
+    # here would let a transaction that holds the row (an open cancel()) make it wait anyway.
+    chosen = (
+        waits.c.task_id == bind("task", UUID_T) if one
+        else waits.c.task_id != func.all(bindparam("aside", [], type_=ARRAY(UUID_T)))
+    )
     due = (
-        select(
-            waits.c.task_id, waits.c.kind, waits.c.version, waits.c.step, waits.c.occurrence,
-            waits.c.child_id,
-        )
+        select(waits.c.task_id, waits.c.kind, waits.c.version, waits.c.step,
+               waits.c.occurrence, waits.c.child_id)
         .select_from(waits.join(tasks, tasks.c.id == waits.c.task_id))
-        .where(waits.c.timeout_at <= NOW, tasks.c.state == const("waiting"))
+        .where(waits.c.timeout_at <= NOW, tasks.c.state == const("waiting"), chosen)
         .order_by(waits.c.timeout_at)
-        .limit(bind("limit", Integer))
+        .limit(bind("limit", Integer) if not one else 1)
         .with_for_update(key_share=True, skip_locked=True, of=tasks)
         .cte("due")
     )
-    children = (
-        select(tasks.c.id)
-        .where(tasks.c.id.in_(select(due.c.child_id).where(due.c.child_id.is_not(None))))
-        .with_for_update(key_share=True, skip_locked=True)
-        .cte("children")
+    # The timed-out children and all their descendants, each with the task whose wait timed
+    # out, read in one walk: one probe of ix_tasks_parent per task, in a lateral subquery the
+    # planner cannot flatten (OFFSET 0) into a join it may plan as a scan of the whole table
+    # per level (n^2 on a deep chain, when its estimate is tiny after a large insert).
+    base = (
+        select(due.c.child_id.label("id"), due.c.task_id.label("waiter"))
+        .where(due.c.child_id.is_not(None))
+        .cte("subtree", recursive=True)
     )
-    # A signal wait, or a child wait whose child is locked here (or gone).
-    ready = (
-        select(due)
-        .where(
-            (due.c.child_id.is_(None))
-            | due.c.child_id.in_(select(children.c.id))
-            | ~exists().where(tasks.c.id == due.c.child_id)
-        )
-        .cte("ready")
+    below = tasks.alias("below")
+    children = select(below.c.id).where(below.c.parent_id == base.c.id).offset(0)
+    step = children.lateral("children")
+    subtree = base.union_all(
+        select(step.c.id, base.c.waiter).select_from(base.join(step, true()))
+    )
+    active = (
+        select(subtree.c.id, subtree.c.waiter)
+        .join(tasks, tasks.c.id == subtree.c.id)
+        .where(tasks.c.state.in_(states(ACTIVE_STATES)))
+        .cte("active")
+    )
+    locked = (
+        select(tasks.c.id)
+        .where(tasks.c.id.in_(select(active.c.id)), tasks.c.state.in_(states(ACTIVE_STATES)))
+        .with_for_update(key_share=True, skip_locked=True)
+        .cte("locked")
+    )
+    # Anti-joins, never NOT IN (a subplan that may probe a 100,000-row list per row).
+    unlocked = ~exists().where(locked.c.id == active.c.id)
+    held = select(active.c.waiter).where(unlocked).distinct().cte("held")
+    ready = select(due).where(~exists().where(held.c.waiter == due.c.task_id)).cte("ready")
+    doomed = (
+        select(active.c.id, active.c.waiter)
+        .where(active.c.waiter.in_(select(ready.c.task_id)))
+        .cte("doomed")
     )
     timed_out = case(
         (ready.c.kind == const("signal"),
@@ -288,67 +318,81 @@ def _wait_timeouts() -> Select[Any]:
         .on_conflict_do_nothing(index_elements=list(CHECKPOINT_KEY))
         .cte("stored")
     )
-    # The timed-out children and all their descendants, each with the task whose wait timed
-    # out. A running child only gets a cancel request, so its subtree is cancelled here too
-    # rather than when it ends.
-    base = (
-        select(ready.c.child_id.label("id"), ready.c.task_id.label("waiter"))
-        .where(ready.c.child_id.is_not(None))
-        .cte("subtree", recursive=True)
-    )
-    below = tasks.alias("below")
-    subtree = base.union_all(
-        select(below.c.id, base.c.waiter).where(below.c.parent_id == base.c.id)
-    )
     # A parent that is itself in such a subtree is cancelled below instead.
     woken = (
         update(tasks)
         .where(
             tasks.c.id.in_(select(ready.c.task_id)),
-            tasks.c.id.not_in(select(subtree.c.id)),
+            ~exists().where(doomed.c.id == tasks.c.id),
         )
         .values(state=const("pending"), run_at=NOW, updated_at=NOW)
         .returning(tasks.c.id)
         .cte("woken")
     )
     at_rest = tasks.c.state.in_(states(("pending", "waiting")))
+    # A running one only gets a cancel request, so its subtree is cancelled here too rather
+    # than when it ends. Times never go back (see statements.admin's cancel).
+    at = func.greatest(NOW, tasks.c.updated_at)
     cancelled = (
         update(tasks)
-        .where(tasks.c.id == subtree.c.id, tasks.c.state.in_(states(ACTIVE_STATES)))
+        .where(tasks.c.id == doomed.c.id, tasks.c.state.in_(states(ACTIVE_STATES)))
         .values(
             state=case((at_rest, const("cancelled")), else_=tasks.c.state),
-            cancel_requested_at=func.coalesce(tasks.c.cancel_requested_at, NOW),
-            completed_at=case((at_rest, NOW), else_=tasks.c.completed_at),
+            cancel_requested_at=func.coalesce(tasks.c.cancel_requested_at, at),
+            completed_at=case((at_rest, at), else_=tasks.c.completed_at),
             error=case(
                 (at_rest, func.jsonb_build_object(
                     const("type"), const("cancelled"), const("reason"),
-                    const("result_wait_timeout"), const("waiter_id"), subtree.c.waiter,
+                    const("result_wait_timeout"), const("waiter_id"), doomed.c.waiter,
                 )),
                 else_=tasks.c.error,
             ),
-            updated_at=NOW,
+            updated_at=at,
         )
         .returning(tasks.c.id)
         .cte("cancelled")
     )
     return (
-        select(woken.c.id)
+        select(woken.c.id, false().label("held"))
+        .union_all(select(held.c.waiter, true()))
         .add_cte(stored)
         .add_cte(cancelled)
     )
 
 
-#: Times out up to ``limit`` due waits: the step's checkpoint becomes ``{"timeout": true}``
-#: (a signal wait) or ``{"state": "timeout", ...}`` (a child wait), the task is pending at once,
-#: and a timed-out child and its unfinished descendants are cancelled (running ones by a
-#: cancel request), with error ``{"type": "cancelled", "reason": "result_wait_timeout",
-#: "waiter_id": ...}``. Locks waiting tasks and their children with ``SKIP LOCKED``, parents
-#: first; the descendants' rows as it updates them. Served by ``ix_waits_timeout_at``.
-#: Returns ``(id)`` per task woken.
-WAIT_TIMEOUTS: Final = _wait_timeouts()
+#: Times out up to ``limit`` due waits, except those of the tasks in ``aside`` (default none):
+#: the step's checkpoint becomes ``{"timeout": true}`` (a signal wait) or ``{"state":
+#: "timeout", ...}`` (a child wait), the task is pending at once, and a timed-out child and its
+#: unfinished descendants are cancelled (running ones by a cancel request), with error
+#: ``{"type": "cancelled", "reason": "result_wait_timeout", "waiter_id": ...}``. Never waits
+#: for a lock: it locks the waiting tasks, then their children's subtrees, with ``SKIP
+#: LOCKED``; a wait whose subtree another transaction holds in part is left as it is. Served
+#: by ``ix_waits_timeout_at``. Returns ``(id, held)``: per task woken (``held`` false), and
+#: per task whose wait is due but held back (``held`` true).
+WAIT_TIMEOUTS: Final = _wait_timeouts(one=False)
+
+#: `WAIT_TIMEOUTS` for the one task ``task`` (if its wait is due): tried alone after a batch
+#: failed (past ``statement_timeout``, say), so one wait never holds back the others.
+WAIT_TIMEOUT: Final = _wait_timeouts(one=True)
+
+#: The tasks of up to ``limit`` due waits, earliest first, except those in ``aside``. Locks
+#: nothing.
+DUE_WAITS: Final = (
+    select(waits.c.task_id)
+    .where(
+        waits.c.timeout_at <= NOW,
+        waits.c.task_id != func.all(bindparam("aside", [], type_=ARRAY(UUID_T))),
+    )
+    .order_by(waits.c.timeout_at)
+    .limit(bind("limit", Integer))
+)
 
 #: Seconds of database time until the earliest wait times out (negative: overdue), or NULL
-#: when no wait has a timeout. Served by ``ix_waits_timeout_at``; locks nothing.
+#: when no wait has a timeout, leaving out the tasks in ``aside`` (default none). Served by
+#: ``ix_waits_timeout_at``; locks nothing.
 NEXT_WAIT_TIMEOUT: Final = select(
     func.extract("epoch", func.min(waits.c.timeout_at) - NOW).label("seconds")
-).where(waits.c.timeout_at.is_not(None))
+).where(
+    waits.c.timeout_at.is_not(None),
+    waits.c.task_id != func.all(bindparam("aside", [], type_=ARRAY(UUID_T))),
+)

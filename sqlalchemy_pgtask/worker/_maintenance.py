@@ -29,8 +29,17 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask._asyncio import bounded
-from sqlalchemy_pgtask.statements.rescue import RESCUE, WORKER_LOCKS, WORKER_LOCKS_WITHOUT_ENDINGS
+from sqlalchemy_pgtask.statements.rescue import (
+    EXPIRED,
+    ORPHANS,
+    RECOVER_ONE,
+    RESCUE,
+    RESCUE_ONE,
+    WORKER_LOCKS,
+    WORKER_LOCKS_WITHOUT_ENDINGS,
+)
 from sqlalchemy_pgtask.worker._reconnect import Backoff, HeldConnection, brief, is_transient
+from sqlalchemy_pgtask.worker._set_aside import SetAside, batched
 from sqlalchemy_pgtask.worker._sightings import Sightings
 
 __all__ = [
@@ -73,15 +82,22 @@ class Recovery:
     def __init__(self, *, interval: float, batch_size: int) -> None:
         self.interval = interval
         self._batch = batch_size
+        #: Tasks whose recovery another transaction held back (a descendant its cascade
+        #: cancels, its waiting parent, its attempt row), or that ran past statement_timeout.
+        self._aside = SetAside("recovery")
 
     async def run_once(self, connection: AsyncConnection) -> float | None:
         for _ in range(MAX_BATCHES_PER_PASS):
-            rows = (await connection.execute(statements.RECOVER, {"limit": self._batch})).all()
+            rows = await batched(
+                connection, self._aside, {"limit": self._batch},
+                batch=statements.RECOVER, listing=EXPIRED, one=RECOVER_ONE,
+            )
+            self._aside.release([row.id for row in rows])
             if rows:
                 logger.warning("recovered %d task(s) with expired leases", len(rows))
             if len(rows) < self._batch:
                 break
-        return None
+        return self._aside.until_next()
 
 
 class Rescue:
@@ -98,6 +114,7 @@ class Rescue:
         self.interval = interval
         self._batch = batch_size
         self._sightings = Sightings()
+        self._aside = SetAside("rescue")
 
     async def run_once(self, connection: AsyncConnection) -> float | None:
         counted = (connection.dialect.server_version_info or (14,)) >= (14,)
@@ -105,13 +122,15 @@ class Rescue:
         doomed = self._sightings.gone((await connection.execute(look)).one())
         rescued = 0
         for _ in range(MAX_BATCHES_PER_PASS) if doomed else ():
-            rows = (
-                await connection.execute(RESCUE, {"owners": list(doomed), "limit": self._batch})
-            ).all()
+            rows = await batched(
+                connection, self._aside, {"owners": list(doomed), "limit": self._batch},
+                batch=RESCUE, listing=ORPHANS, one=RESCUE_ONE,
+            )
+            self._aside.release([row.id for row in rows])
             rescued += len(rows)
             if len(rows) < self._batch:
                 break
-        if doomed and not rescued:
+        if doomed and not rescued and not len(self._aside):
             # Nothing of theirs is left running: forget them until seen holding a lock again.
             self._sightings.forget(doomed)
         if rescued:
@@ -121,37 +140,58 @@ class Rescue:
             )
         # A lock just found missing: look again soon (a worker that only lost its
         # connections for a moment has taken it again by then), not a whole interval later.
-        return self.interval / 2 if self._sightings.missing else None
+        sooner = self.interval / 2 if self._sightings.missing else None
+        rest = self._aside.until_next()
+        return rest if sooner is None else sooner if rest is None else min(sooner, rest)
 
 
 class WaitTimeouts:
-    """Times out signal and child-result waits whose database deadline has passed."""
+    """Times out signal and child-result waits whose database deadline has passed.
+
+    A wait whose rows another transaction holds (its task, its child, any task in the child's
+    subtree) is skipped by the batch statement; after a batch that failed all the same (past
+    ``statement_timeout``, say) the due waits are tried one at a time. Either way a wait that
+    cannot be timed out now is set aside (`worker._set_aside`) with a log line naming its task,
+    and the others go ahead.
+    """
 
     name = "wait timeouts"
 
     def __init__(self, *, interval: float, batch_size: int) -> None:
         self.interval = interval
         self._batch = batch_size
+        self._aside = SetAside("wait timeout")
 
     async def run_once(self, connection: AsyncConnection) -> float | None:
         woken = 0
         for _ in range(MAX_BATCHES_PER_PASS):
-            rows = (
-                await connection.execute(statements.WAIT_TIMEOUTS, {"limit": self._batch})
-            ).all()
-            woken += len(rows)
-            if rows:
-                logger.info("%d wait(s) timed out", len(rows))
+            rows = await batched(
+                connection, self._aside, {"limit": self._batch},
+                batch=statements.WAIT_TIMEOUTS, listing=statements.DUE_WAITS,
+                one=statements.WAIT_TIMEOUT,
+            )
+            done = [row.id for row in rows if not row.held]
+            self._aside.release(done)
+            for row in rows:
+                if row.held:
+                    self._aside.hold(row.id, "a transaction holds its task or its child's tree")
+            woken += len(done)
+            if done:
+                logger.info("%d wait(s) timed out", len(done))
             if len(rows) < self._batch:
                 break
-        due = (await connection.execute(statements.NEXT_WAIT_TIMEOUT)).scalar()
+        due = (await connection.execute(
+            statements.NEXT_WAIT_TIMEOUT, {"aside": self._aside.resting()}
+        )).scalar()
+        rest = self._aside.until_next()
         if due is None:
-            return None
+            return rest
+        seconds = max(0.0, float(due))
         if due <= 0 and not woken:
-            # Due, yet nothing could be taken: another transaction holds those rows. Look
-            # again in a moment rather than spin.
-            return min(self.interval, _HELD_RETRY)
-        return max(0.0, float(due))
+            # Due, yet nothing could be taken: another pass holds those rows. Look again in
+            # a moment rather than spin.
+            seconds = min(self.interval, _HELD_RETRY)
+        return seconds if rest is None else min(rest, seconds)
 
 
 class WorkerPruning:

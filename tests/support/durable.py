@@ -324,8 +324,8 @@ def emit(
 
 
 def wait_timeouts(conn: Connection, limit: int = 100) -> list[uuid.UUID]:
-    """One pass of WAIT_TIMEOUTS; the ids of the tasks it woke."""
-    return [row.id for row in conn.execute(st.WAIT_TIMEOUTS, {"limit": limit})]
+    """One pass of WAIT_TIMEOUTS; the ids of the tasks it woke (not those it found held)."""
+    return [row.id for row in conn.execute(st.WAIT_TIMEOUTS, {"limit": limit}) if not row.held]
 
 
 def make_wait_due(conn: Connection, task_id: uuid.UUID) -> None:

@@ -50,6 +50,8 @@ WORKER_STATEMENTS = {
     "LOCK_CHILD": statements.LOCK_CHILD,
     "REGISTER_RESULT_WAIT": statements.REGISTER_RESULT_WAIT,
     "WAIT_TIMEOUTS": statements.WAIT_TIMEOUTS,
+    "WAIT_TIMEOUT": statements.WAIT_TIMEOUT,
+    "DUE_WAITS": statements.DUE_WAITS,
     "NEXT_WAIT_TIMEOUT": statements.NEXT_WAIT_TIMEOUT,
     "EMIT_SIGNAL": statements.EMIT_SIGNAL,
     # Only for workers with governed queues (rate limits, starvation timeouts).
