@@ -7,8 +7,9 @@ queue without settings keeps finished tasks 7 days and reservations 30 days), an
 deletes what is older, in bounded batches:
 
 * **finished tasks** (succeeded, failed, cancelled) whose ``completed_at`` is older than the
-  queue's terminal retention, oldest first, a task only once none of its children is left:
-  a tree goes leaves first, its parent in a later batch;
+  queue's terminal retention, oldest first, a task only once its whole family (root and all
+  descendants) is finished and past its retention, and none of its children is left: a
+  family goes as a whole, leaves first, a parent in a later batch than its children;
 * **idempotency reservations** that expired: a reservation lives until its task finished
   more than the queue's idempotency retention ago, whether or not the task row still
   exists. An unexpired reservation is never deleted, whatever happens to its task;

@@ -2,8 +2,8 @@
 
 Three independent deletions, each a short statement that skips rows others hold:
 
-* `DELETE_FINISHED_TASKS`: terminal tasks older than their queue's terminal retention,
-  childless ones only, so children always go before their parents;
+* `DELETE_FINISHED_TASKS`: terminal tasks older than their queue's terminal retention whose
+  whole family is too, childless ones only, so children always go before their parents;
 * `DELETE_EXPIRED_KEYS`: idempotency reservations whose expiry was written down (their task
   was deleted) and has passed;
 * `DELETE_FINISHED_KEYS`: reservations whose task still exists but finished longer ago than
@@ -33,6 +33,7 @@ from sqlalchemy import (
     literal_column,
     or_,
     select,
+    text,
     true,
 )
 from sqlalchemy.sql.dml import ReturningDelete
@@ -149,31 +150,45 @@ def _finished_queues_select() -> Select[Any]:
 FINISHED_QUEUES: Final = _finished_queues_select()
 
 
+#: Whether no member of the family of candidate ``t`` (its root, found through its
+#: ancestors, and all the root's descendants) is kept: unfinished, or finished less than its
+#: own queue's terminal retention ago. A kept member may still ask for a child's result (an
+#: unfinished one after a sleep or a retry, a finished failed or cancelled one once an
+#: administrator retries it: its replay waits for its children again), and so may any
+#: ancestor between it and the child: a child in a short-retention queue that went first
+#: failed the replay ("not a direct child"). So the family stays until every member is past
+#: its retention, and then goes leaves first. Reads the family (``ix_tasks_parent`` and the
+#: primary key, one probe per member, stopping at the first kept one); locks nothing, so a
+#: member held by another transaction holds up nothing. ``UNION``: a ``parent_id`` cycle
+#: written by hand ends the walk. A task without a parent (a root, an orphan) is its whole
+#: family once it has no child left.
+_FAMILY_KEPT: Final = text(f"""NOT EXISTS (
+    WITH RECURSIVE up(id, parent_id) AS (
+        SELECT a.id, a.parent_id FROM pgtask.tasks AS a WHERE a.id = t.parent_id
+        UNION
+        SELECT a.id, a.parent_id FROM pgtask.tasks AS a JOIN up ON a.id = up.parent_id
+    ), family(id) AS (
+        SELECT up.id FROM up WHERE up.parent_id IS NULL
+        UNION
+        SELECT c.id FROM pgtask.tasks AS c JOIN family ON c.parent_id = family.id
+    )
+    SELECT FROM family
+    JOIN pgtask.tasks AS m ON m.id = family.id
+    LEFT JOIN pgtask.queues AS mq ON mq.name = m.queue
+    WHERE m.state NOT IN ('succeeded', 'failed', 'cancelled')
+       OR m.completed_at > pgtask.now() - make_interval(
+           secs => coalesce(mq.terminal_retention_seconds, {DEFAULT_TERMINAL_RETENTION_SECONDS})))
+""")  # noqa: S608 (constants only)
+
+
 def _delete_finished_tasks() -> ReturningDelete[Any]:
     policies = _policies()
     limit = bindparam("limit", type_=Integer)
     t = tasks.alias("t")
     child = tasks.alias("child")
     has_child = select(child.c.id).where(child.c.parent_id == t.c.id).exists()
-    # A parent may still ask for this child's result while it is kept: an unfinished one
-    # after a sleep or a retry, a finished one once an administrator retries it (its replay
-    # waits for the child again). The child stays until its parent is due for deletion too.
-    parent = tasks.alias("parent")
-    parent_queue = queues.alias("parent_queue")
-    parent_retention = func.coalesce(
-        select(parent_queue.c.terminal_retention_seconds)
-        .where(parent_queue.c.name == parent.c.queue)
-        .scalar_subquery(),
-        DEFAULT_TERMINAL_RETENTION_SECONDS,
-    )
-    parent_kept = (
-        select(parent.c.id)
-        .where(
-            parent.c.id == t.c.parent_id,
-            or_(~_finished(parent), parent.c.completed_at > NOW - seconds(parent_retention)),
-        )
-        .exists()
-    )
+    # A family (a root and all its descendants) goes as a whole: any member kept keeps
+    # every member (`_FAMILY_KEPT`).
     expired = (
         select(t.c.id, t.c.queue, t.c.idempotency_key)
         .where(
@@ -181,7 +196,7 @@ def _delete_finished_tasks() -> ReturningDelete[Any]:
             _finished(t),
             t.c.completed_at <= NOW - seconds(policies.c.terminal_retention),
             ~has_child,
-            ~parent_kept,
+            _FAMILY_KEPT,
         )
         .order_by(t.c.completed_at)
         .limit(limit)
@@ -221,17 +236,18 @@ def _delete_finished_tasks() -> ReturningDelete[Any]:
 
 #: Deletes up to ``limit`` terminal tasks whose ``completed_at`` is at least their queue's
 #: ``terminal_retention_seconds`` (604800 without a queue row) before database time, oldest
-#: first within a queue, queues by name; binds ``queue`` (NULL: every queue). Only tasks with
-#: no child row left: a parent waits for a later batch, after its children's deletion
-#: committed, so ``tasks.parent_id ON DELETE SET NULL`` never fires and a tree goes leaves
-#: first. Queues come from a loose index scan of ``ix_tasks_finished``; each queue's batch is
-#: one range of that index (queue, completed_at up to the cutoff), and each candidate's
-#: children are probed through ``ix_tasks_parent``. Locks the chosen terminal rows ``FOR
-#: UPDATE SKIP LOCKED`` (concurrent runs take disjoint rows; a task an administrator is
-#: retrying is skipped) and no other task row. Cascades to the tasks' attempts, checkpoints,
-#: signals and waits; ``tasks_idempotency_deleted`` writes each key's expiry down (never
-#: releasing it); a terminal task holds no capacity, so the capacity counter is untouched.
-#: Returns ``(id, queue, parent_id)`` of the deleted tasks.
+#: first within a queue, queues by name; binds ``queue`` (NULL: every queue). Only tasks
+#: whose whole family is past its retention (`_FAMILY_KEPT`), and only those with no child
+#: row left: a parent waits for a later batch, after its children's deletion committed, so
+#: ``tasks.parent_id ON DELETE SET NULL`` never fires and a tree goes leaves first. Queues
+#: come from a loose index scan of ``ix_tasks_finished``; each queue's batch is one range of
+#: that index (queue, completed_at up to the cutoff), and each candidate's children are
+#: probed through ``ix_tasks_parent``, its family walked through it and the primary key.
+#: Locks the chosen terminal rows ``FOR UPDATE SKIP LOCKED`` (concurrent runs take disjoint
+#: rows; a task an administrator is retrying is skipped) and no other task row. Cascades to
+#: the tasks' attempts, checkpoints, signals and waits; ``tasks_idempotency_deleted`` writes
+#: each key's expiry down (never releasing it); a terminal task holds no capacity, so the
+#: capacity counter is untouched. Returns ``(id, queue, parent_id)`` of the deleted tasks.
 DELETE_FINISHED_TASKS: Final = _delete_finished_tasks()
 
 
