@@ -33,20 +33,23 @@ from sqlalchemy import (
     literal_column,
     or_,
     select,
-    text,
     true,
 )
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql.dml import ReturningDelete
+from sqlalchemy.sql.elements import TextClause
 
 from sqlalchemy_pgtask.statements._common import (
     NOW,
     TSTZ,
+    UUID_T,
     arrays,
     keys,
     queues,
     seconds,
     tasks,
 )
+from sqlalchemy_pgtask.statements._family import DEFAULT_TERMINAL_RETENTION_SECONDS, FAMILY_KEPT
 from sqlalchemy_pgtask.statements.enqueue import DEFAULT_IDEMPOTENCY_RETENTION_SECONDS
 from sqlalchemy_pgtask.states import TERMINAL_STATES
 
@@ -55,13 +58,12 @@ __all__ = [
     "DEFAULT_TERMINAL_RETENTION_SECONDS",
     "DELETE_EXPIRED_KEYS",
     "DELETE_FINISHED_KEYS",
+    "DELETE_FINISHED_TASK",
     "DELETE_FINISHED_TASKS",
     "FINISHED_QUEUES",
+    "FINISHED_TASK_CANDIDATES",
 ]
 
-#: A queue without a row keeps its finished tasks this long (7 days); the same default as
-#: ``queues.terminal_retention_seconds``.
-DEFAULT_TERMINAL_RETENTION_SECONDS: Final = 604_800
 
 
 def _finished(table: FromClause = tasks) -> ColumnElement[bool]:
@@ -150,59 +152,20 @@ def _finished_queues_select() -> Select[Any]:
 FINISHED_QUEUES: Final = _finished_queues_select()
 
 
-#: Whether no member of the family of candidate ``t`` (its root, found through its
-#: ancestors, and all the root's descendants) is kept: unfinished, or finished less than its
-#: own queue's terminal retention ago. A kept member may still ask for a child's result (an
-#: unfinished one after a sleep or a retry, a finished failed or cancelled one once an
-#: administrator retries it: its replay waits for its children again), and so may any
-#: ancestor between it and the child: a child in a short-retention queue that went first
-#: failed the replay ("not a direct child"). So the family stays until every member is past
-#: its retention, and then goes leaves first. Reads the family (``ix_tasks_parent`` and the
-#: primary key, one probe per member, stopping at the first kept one); locks nothing, so a
-#: member held by another transaction holds up nothing. ``UNION``: a ``parent_id`` cycle
-#: written by hand ends the walk. A task without a parent (a root, an orphan) is its whole
-#: family once it has no child left.
-_FAMILY_KEPT: Final = text(f"""NOT EXISTS (
-    WITH RECURSIVE up(id, parent_id) AS (
-        SELECT a.id, a.parent_id FROM pgtask.tasks AS a WHERE a.id = t.parent_id
-        UNION
-        SELECT a.id, a.parent_id FROM pgtask.tasks AS a JOIN up ON a.id = up.parent_id
-    ), family(id) AS (
-        SELECT up.id FROM up WHERE up.parent_id IS NULL
-        UNION
-        SELECT c.id FROM pgtask.tasks AS c JOIN family ON c.parent_id = family.id
-    )
-    SELECT FROM family
-    JOIN pgtask.tasks AS m ON m.id = family.id
-    LEFT JOIN pgtask.queues AS mq ON mq.name = m.queue
-    WHERE m.state NOT IN ('succeeded', 'failed', 'cancelled')
-       OR m.completed_at > pgtask.now() - make_interval(
-           secs => coalesce(mq.terminal_retention_seconds, {DEFAULT_TERMINAL_RETENTION_SECONDS})))
-""")  # noqa: S608 (constants only)
-
-
-def _delete_finished_tasks() -> ReturningDelete[Any]:
-    policies = _policies()
-    limit = bindparam("limit", type_=Integer)
-    t = tasks.alias("t")
+def _deletable(
+    t: FromClause, retention: ColumnElement[Any]
+) -> list[ColumnElement[bool] | TextClause]:
+    """``t`` may go: finished ``retention`` seconds ago, no child left, its family not kept."""
     child = tasks.alias("child")
     has_child = select(child.c.id).where(child.c.parent_id == t.c.id).exists()
     # A family (a root and all its descendants) goes as a whole: any member kept keeps
-    # every member (`_FAMILY_KEPT`).
-    expired = (
-        select(t.c.id, t.c.queue, t.c.idempotency_key)
-        .where(
-            t.c.queue == policies.c.queue,
-            _finished(t),
-            t.c.completed_at <= NOW - seconds(policies.c.terminal_retention),
-            ~has_child,
-            _FAMILY_KEPT,
-        )
-        .order_by(t.c.completed_at)
-        .limit(limit)
-        .with_for_update(of=t, skip_locked=True)
-        .lateral("expired")
-    )
+    # every member (`FAMILY_KEPT`).
+    return [
+        _finished(t), t.c.completed_at <= NOW - seconds(retention), ~has_child, FAMILY_KEPT,
+    ]
+
+
+def _key_free(expired: FromClause) -> ColumnElement[bool]:
     # Deleting a keyed task writes its key's expiry down (tasks_idempotency_deleted): lock
     # that reservation here, skipping the task while a producer holds it (taking the key
     # over), so the trigger never waits for a producer nor a producer for this batch. Out
@@ -214,18 +177,14 @@ def _delete_finished_tasks() -> ReturningDelete[Any]:
         k.c.key == expired.c.idempotency_key,
         k.c.task_id == expired.c.id,
     )
-    key_free = or_(
+    return or_(
         expired.c.idempotency_key.is_(None),
         ~reservation.exists(),
         reservation.with_for_update(key_share=True, skip_locked=True).exists(),
     )
-    doomed = (
-        select(expired.c.id)
-        .select_from(policies.join(expired, true()))
-        .where(key_free)
-        .order_by(policies.c.queue)
-        .limit(limit)
-    )
+
+
+def _returning_delete(doomed: Select[Any]) -> ReturningDelete[Any]:
     # ANY(ARRAY(subquery)) probes the primary key once per row, whatever the plan.
     return (
         tasks.delete()
@@ -234,10 +193,55 @@ def _delete_finished_tasks() -> ReturningDelete[Any]:
     )
 
 
+def _finished_tasks(*, lock: bool) -> Select[Any]:
+    """The batch's tasks (locked, keys free) or, without ``lock``, its candidates' ids."""
+    policies = _policies()
+    limit = bindparam("limit", type_=Integer)
+    t = tasks.alias("t")
+    # Tasks a pass set aside (their deletion failed alone): never in its later batches.
+    skipped = t.c.id != func.all(bindparam("skip", [], type_=ARRAY(UUID_T)))
+    expired = (
+        select(t.c.id, t.c.queue, t.c.idempotency_key)
+        .where(
+            t.c.queue == policies.c.queue, *_deletable(t, policies.c.terminal_retention),
+            skipped,
+        )
+        .order_by(t.c.completed_at)
+        .limit(limit)
+    )
+    if lock:
+        expired = expired.with_for_update(of=t, skip_locked=True)
+    lateral = expired.lateral("expired")
+    doomed = (
+        select(lateral.c.id)
+        .select_from(policies.join(lateral, true()))
+        .order_by(policies.c.queue)
+        .limit(limit)
+    )
+    return doomed.where(_key_free(lateral)) if lock else doomed
+
+
+def _delete_finished_task() -> ReturningDelete[Any]:
+    t = tasks.alias("t")
+    retention = func.coalesce(
+        select(queues.c.terminal_retention_seconds)
+        .where(queues.c.name == t.c.queue)
+        .scalar_subquery(),
+        DEFAULT_TERMINAL_RETENTION_SECONDS,
+    )
+    expired = (
+        select(t.c.id, t.c.queue, t.c.idempotency_key)
+        .where(t.c.id == bindparam("task_id", type_=UUID_T), *_deletable(t, retention))
+        .with_for_update(of=t, skip_locked=True)
+        .subquery("expired")
+    )
+    return _returning_delete(select(expired.c.id).where(_key_free(expired)))
+
+
 #: Deletes up to ``limit`` terminal tasks whose ``completed_at`` is at least their queue's
 #: ``terminal_retention_seconds`` (604800 without a queue row) before database time, oldest
 #: first within a queue, queues by name; binds ``queue`` (NULL: every queue). Only tasks
-#: whose whole family is past its retention (`_FAMILY_KEPT`), and only those with no child
+#: whose whole family is past its retention (`FAMILY_KEPT`), and only those with no child
 #: row left: a parent waits for a later batch, after its children's deletion committed, so
 #: ``tasks.parent_id ON DELETE SET NULL`` never fires and a tree goes leaves first. Queues
 #: come from a loose index scan of ``ix_tasks_finished``; each queue's batch is one range of
@@ -247,8 +251,20 @@ def _delete_finished_tasks() -> ReturningDelete[Any]:
 #: rows; a task an administrator is retrying is skipped) and no other task row. Cascades to
 #: the tasks' attempts, checkpoints, signals and waits; ``tasks_idempotency_deleted`` writes
 #: each key's expiry down (never releasing it); a terminal task holds no capacity, so the
-#: capacity counter is untouched. Returns ``(id, queue, parent_id)`` of the deleted tasks.
-DELETE_FINISHED_TASKS: Final = _delete_finished_tasks()
+#: capacity counter is untouched. Binds ``skip``, ids never taken (an empty array: none).
+#: Returns ``(id, queue, parent_id)`` of the deleted tasks.
+DELETE_FINISHED_TASKS: Final = _returning_delete(_finished_tasks(lock=True))
+
+#: The ids of the tasks `DELETE_FINISHED_TASKS` would take, with the same binds; locks
+#: nothing. When a batch failed on a row another transaction holds (a history row the
+#: cascade must delete, say), its tasks are tried one at a time (`DELETE_FINISHED_TASK`).
+FINISHED_TASK_CANDIDATES: Final = _finished_tasks(lock=False)
+
+#: Deletes the task ``task_id`` when `DELETE_FINISHED_TASKS` could (finished, past its
+#: queue's terminal retention, no child left, its family past retention, its reservation
+#: free), by its primary key, locking it ``FOR UPDATE SKIP LOCKED``. Returns ``(id, queue,
+#: parent_id)``: one row, or none when it may not go (or another transaction holds it).
+DELETE_FINISHED_TASK: Final = _delete_finished_task()
 
 
 def _delete_expired_keys() -> ReturningDelete[Any]:
