@@ -6,7 +6,9 @@ not paused, the default retention). `configure_queue` creates or changes the row
 connection, so a settings change commits or rolls back with the caller's other work.
 
 Turning a capacity limit on recounts the queue's outstanding tasks under a table lock (a
-trigger does it, so every writer of the row gets it). The count is exact only in a READ
+trigger does it, so every writer of the row gets it); `configure_queue` takes that lock before
+the queue row, so that it never deadlocks with a producer waiting for the row
+(`sqlalchemy_pgtask._queue_locks`). The count is exact only in a READ
 COMMITTED transaction, whose statements each see the latest commits; under REPEATABLE READ or
 SERIALIZABLE the count would come from the transaction's older snapshot and miss tasks
 committed since, so it is refused there: here before any SQL, by the trigger for others.
@@ -35,6 +37,7 @@ from sqlalchemy_pgtask._connection import (
     sync_bind,
     translated_errors,
 )
+from sqlalchemy_pgtask._queue_locks import locked_queue_row
 from sqlalchemy_pgtask.audit import (
     AUDITED_SETTINGS,
     audit_statement,
@@ -212,7 +215,9 @@ def _configure(
     with translated_errors():
         before = None
         if values:
-            before = connection.execute(locked).mappings().first()
+            before = locked_queue_row(
+                connection, name, locked, values.get("max_outstanding_tasks") is not None
+            )
             if before is None:
                 # No row to lock: create it first, so that two callers creating one queue
                 # take turns on its row, and the second audits against what the first wrote

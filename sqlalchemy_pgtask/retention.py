@@ -7,8 +7,9 @@ queue without settings keeps finished tasks 7 days and reservations 30 days), an
 deletes what is older, in bounded batches:
 
 * **finished tasks** (succeeded, failed, cancelled) whose ``completed_at`` is older than the
-  queue's terminal retention, oldest first, a task only once none of its children is left:
-  a tree goes leaves first, its parent in a later batch;
+  queue's terminal retention, oldest first, a task only once its whole family (root and all
+  descendants) is finished and past its retention, and none of its children is left: a
+  family goes as a whole, leaves first, a parent in a later batch than its children;
 * **idempotency reservations** that expired: a reservation lives until its task finished
   more than the queue's idempotency retention ago, whether or not the task row still
   exists. An unexpired reservation is never deleted, whatever happens to its task;
@@ -16,7 +17,9 @@ deletes what is older, in bounded batches:
   is given: workers serve several queues).
 
 Each batch is one short statement in its own transaction that skips rows other transactions
-hold (``SKIP LOCKED``), so concurrent runs (every worker runs retention on an interval, an
+hold (``SKIP LOCKED``; a batch that fails on a row it cannot skip, a history row the cascade
+must delete, is retried one task at a time, and the task that fails alone is set aside with a
+warning), so concurrent runs (every worker runs retention on an interval, an
 operator runs ``pgtask retention run``) share the work, each row deleted once. Retention locks
 only finished tasks and reservations, never a task a claim could take, so it never holds up a
 claim however slow it is. See ``docs/retention.md``.
@@ -24,16 +27,20 @@ claim however slow it is. See ``docs/retention.md``.
 
 from __future__ import annotations
 
+import logging
+import uuid
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
 
-from sqlalchemy import Engine, Executable, Row
+from sqlalchemy import Engine, Executable, Row, text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask._connection import async_engine, sync_engine, translated_errors
+from sqlalchemy_pgtask._failures import brief
 from sqlalchemy_pgtask.statements import retention as retention_statements
 from sqlalchemy_pgtask.validation import (
     INT4_MAX,
@@ -51,6 +58,8 @@ __all__ = [
     "run_retention_async",
 ]
 
+logger = logging.getLogger("sqlalchemy_pgtask.retention")
+
 #: The largest batch one statement deletes.
 BATCH_SIZE_MAX: Final = 100_000
 #: How long a stopped or vanished worker's row is kept by default (`WorkerOptions`' default).
@@ -60,6 +69,26 @@ _ISOLATION: Final = "READ COMMITTED"
 
 #: One batch: a statement and its parameters; the driver sends back the rows it returned.
 Step = tuple[Executable, dict[str, Any]]
+
+#: A batch that failed on a row another transaction holds: past ``lock_timeout`` (55P03),
+#: ``statement_timeout`` (57014), a deadlock (40P01), a serialization failure (40001).
+_HELD: Final = frozenset({"55P03", "57014", "40P01", "40001"})
+#: A ``lock_timeout`` for a run whose connection has none (0: wait for ever): a batch held
+#: up by a row another transaction holds fails after this, and its tasks go one at a time.
+_RUN_LOCK_TIMEOUT: Final = "5s"
+_BOUNDED: Final = text(
+    "SELECT set_config('lock_timeout', :timeout, true)"
+    " WHERE current_setting('lock_timeout') IN ('0', '0ms', '0s')"
+).bindparams(timeout=_RUN_LOCK_TIMEOUT)
+
+
+def is_held(exc: BaseException) -> bool:
+    """Whether a retention statement failed on a row another transaction holds.
+
+    The driver of a `RetentionSweep` throws such a failure into `RetentionSweep.steps`
+    (after rolling its transaction back), which works around the row; any other it raises.
+    """
+    return isinstance(exc, DBAPIError) and getattr(exc.orig, "sqlstate", None) in _HELD
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +137,9 @@ class RetentionSweep:
         self.batches = 0
         #: Whether some kind stopped at ``max_batches`` with work possibly left.
         self.cut_short = False
+        #: Finished tasks whose deletion failed alone (a row held by another transaction):
+        #: never taken again by this sweep.
+        self.set_aside: set[uuid.UUID] = set()
 
     def result(self) -> RetentionResult:
         return RetentionResult(
@@ -134,10 +166,18 @@ class RetentionSweep:
     def _tasks(self) -> Generator[Step, Sequence[Row[Any]], None]:
         done = 0
         while self._more(done):
-            rows = yield (
-                retention_statements.DELETE_FINISHED_TASKS,
-                {"queue": self._queue, "limit": self._batch},
-            )
+            params = {"queue": self._queue, "limit": self._batch, "skip": sorted(self.set_aside)}
+            try:
+                rows = yield (retention_statements.DELETE_FINISHED_TASKS, params)
+            except DBAPIError as exc:
+                if not is_held(exc):
+                    raise
+                # One row another transaction holds (a history row the cascade must delete)
+                # failed the whole batch, and the next would take the same: one at a time.
+                done += 1
+                self.batches += 1
+                yield from self._one_at_a_time(params)
+                continue
             done += 1
             self.batches += 1
             self.tasks_deleted += len(rows)
@@ -145,6 +185,24 @@ class RetentionSweep:
             freed_parents = any(row.parent_id is not None for row in rows)
             if len(rows) < self._batch and not freed_parents:
                 return
+
+    def _one_at_a_time(self, params: dict[str, Any]) -> Generator[Step, Sequence[Row[Any]], None]:
+        """The failed batch's tasks, each alone; one that fails alone is set aside."""
+        candidates = yield (retention_statements.FINISHED_TASK_CANDIDATES, params)
+        for (task_id,) in candidates:
+            try:
+                rows = yield (retention_statements.DELETE_FINISHED_TASK, {"task_id": task_id})
+            except DBAPIError as exc:
+                if not is_held(exc):
+                    raise
+                self.set_aside.add(task_id)
+                logger.warning(
+                    "retention passed over task %s: deleting it failed (%s), a row of it or"
+                    " of its history is held by another transaction; a later pass tries"
+                    " again", task_id, brief(exc),
+                )
+                continue
+            self.tasks_deleted += len(rows)
 
     def _expired_keys(self) -> Generator[Step, Sequence[Row[Any]], None]:
         done = 0
@@ -253,8 +311,15 @@ def run_retention(
         try:
             step = next(steps)
             while True:
-                with connection.begin():
-                    rows = connection.execute(*step).all()
+                try:
+                    with connection.begin():
+                        connection.execute(_BOUNDED)
+                        rows = connection.execute(*step).all()
+                except DBAPIError as exc:
+                    if not is_held(exc):
+                        raise
+                    step = steps.throw(exc)
+                    continue
                 step = steps.send(rows)
         except StopIteration:
             pass
@@ -279,8 +344,15 @@ async def run_retention_async(
             try:
                 step = next(steps)
                 while True:
-                    async with connection.begin():
-                        rows = (await connection.execute(*step)).all()
+                    try:
+                        async with connection.begin():
+                            await connection.execute(_BOUNDED)
+                            rows = (await connection.execute(*step)).all()
+                    except DBAPIError as exc:
+                        if not is_held(exc):
+                            raise
+                        step = steps.throw(exc)
+                        continue
                     step = steps.send(rows)
             except StopIteration:
                 pass

@@ -2,8 +2,8 @@
 
 Three independent deletions, each a short statement that skips rows others hold:
 
-* `DELETE_FINISHED_TASKS`: terminal tasks older than their queue's terminal retention,
-  childless ones only, so children always go before their parents;
+* `DELETE_FINISHED_TASKS`: terminal tasks older than their queue's terminal retention whose
+  whole family is too, childless ones only, so children always go before their parents;
 * `DELETE_EXPIRED_KEYS`: idempotency reservations whose expiry was written down (their task
   was deleted) and has passed;
 * `DELETE_FINISHED_KEYS`: reservations whose task still exists but finished longer ago than
@@ -35,17 +35,21 @@ from sqlalchemy import (
     select,
     true,
 )
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql.dml import ReturningDelete
+from sqlalchemy.sql.elements import TextClause
 
 from sqlalchemy_pgtask.statements._common import (
     NOW,
     TSTZ,
+    UUID_T,
     arrays,
     keys,
     queues,
     seconds,
     tasks,
 )
+from sqlalchemy_pgtask.statements._family import DEFAULT_TERMINAL_RETENTION_SECONDS, FAMILY_KEPT
 from sqlalchemy_pgtask.statements.enqueue import DEFAULT_IDEMPOTENCY_RETENTION_SECONDS
 from sqlalchemy_pgtask.states import TERMINAL_STATES
 
@@ -54,13 +58,12 @@ __all__ = [
     "DEFAULT_TERMINAL_RETENTION_SECONDS",
     "DELETE_EXPIRED_KEYS",
     "DELETE_FINISHED_KEYS",
+    "DELETE_FINISHED_TASK",
     "DELETE_FINISHED_TASKS",
     "FINISHED_QUEUES",
+    "FINISHED_TASK_CANDIDATES",
 ]
 
-#: A queue without a row keeps its finished tasks this long (7 days); the same default as
-#: ``queues.terminal_retention_seconds``.
-DEFAULT_TERMINAL_RETENTION_SECONDS: Final = 604_800
 
 
 def _finished(table: FromClause = tasks) -> ColumnElement[bool]:
@@ -149,45 +152,20 @@ def _finished_queues_select() -> Select[Any]:
 FINISHED_QUEUES: Final = _finished_queues_select()
 
 
-def _delete_finished_tasks() -> ReturningDelete[Any]:
-    policies = _policies()
-    limit = bindparam("limit", type_=Integer)
-    t = tasks.alias("t")
+def _deletable(
+    t: FromClause, retention: ColumnElement[Any]
+) -> list[ColumnElement[bool] | TextClause]:
+    """``t`` may go: finished ``retention`` seconds ago, no child left, its family not kept."""
     child = tasks.alias("child")
     has_child = select(child.c.id).where(child.c.parent_id == t.c.id).exists()
-    # A parent may still ask for this child's result while it is kept: an unfinished one
-    # after a sleep or a retry, a finished one once an administrator retries it (its replay
-    # waits for the child again). The child stays until its parent is due for deletion too.
-    parent = tasks.alias("parent")
-    parent_queue = queues.alias("parent_queue")
-    parent_retention = func.coalesce(
-        select(parent_queue.c.terminal_retention_seconds)
-        .where(parent_queue.c.name == parent.c.queue)
-        .scalar_subquery(),
-        DEFAULT_TERMINAL_RETENTION_SECONDS,
-    )
-    parent_kept = (
-        select(parent.c.id)
-        .where(
-            parent.c.id == t.c.parent_id,
-            or_(~_finished(parent), parent.c.completed_at > NOW - seconds(parent_retention)),
-        )
-        .exists()
-    )
-    expired = (
-        select(t.c.id, t.c.queue, t.c.idempotency_key)
-        .where(
-            t.c.queue == policies.c.queue,
-            _finished(t),
-            t.c.completed_at <= NOW - seconds(policies.c.terminal_retention),
-            ~has_child,
-            ~parent_kept,
-        )
-        .order_by(t.c.completed_at)
-        .limit(limit)
-        .with_for_update(of=t, skip_locked=True)
-        .lateral("expired")
-    )
+    # A family (a root and all its descendants) goes as a whole: any member kept keeps
+    # every member (`FAMILY_KEPT`).
+    return [
+        _finished(t), t.c.completed_at <= NOW - seconds(retention), ~has_child, FAMILY_KEPT,
+    ]
+
+
+def _key_free(expired: FromClause) -> ColumnElement[bool]:
     # Deleting a keyed task writes its key's expiry down (tasks_idempotency_deleted): lock
     # that reservation here, skipping the task while a producer holds it (taking the key
     # over), so the trigger never waits for a producer nor a producer for this batch. Out
@@ -199,18 +177,14 @@ def _delete_finished_tasks() -> ReturningDelete[Any]:
         k.c.key == expired.c.idempotency_key,
         k.c.task_id == expired.c.id,
     )
-    key_free = or_(
+    return or_(
         expired.c.idempotency_key.is_(None),
         ~reservation.exists(),
         reservation.with_for_update(key_share=True, skip_locked=True).exists(),
     )
-    doomed = (
-        select(expired.c.id)
-        .select_from(policies.join(expired, true()))
-        .where(key_free)
-        .order_by(policies.c.queue)
-        .limit(limit)
-    )
+
+
+def _returning_delete(doomed: Select[Any]) -> ReturningDelete[Any]:
     # ANY(ARRAY(subquery)) probes the primary key once per row, whatever the plan.
     return (
         tasks.delete()
@@ -219,20 +193,78 @@ def _delete_finished_tasks() -> ReturningDelete[Any]:
     )
 
 
+def _finished_tasks(*, lock: bool) -> Select[Any]:
+    """The batch's tasks (locked, keys free) or, without ``lock``, its candidates' ids."""
+    policies = _policies()
+    limit = bindparam("limit", type_=Integer)
+    t = tasks.alias("t")
+    # Tasks a pass set aside (their deletion failed alone): never in its later batches.
+    skipped = t.c.id != func.all(bindparam("skip", [], type_=ARRAY(UUID_T)))
+    expired = (
+        select(t.c.id, t.c.queue, t.c.idempotency_key)
+        .where(
+            t.c.queue == policies.c.queue, *_deletable(t, policies.c.terminal_retention),
+            skipped,
+        )
+        .order_by(t.c.completed_at)
+        .limit(limit)
+    )
+    if lock:
+        expired = expired.with_for_update(of=t, skip_locked=True)
+    lateral = expired.lateral("expired")
+    doomed = (
+        select(lateral.c.id)
+        .select_from(policies.join(lateral, true()))
+        .order_by(policies.c.queue)
+        .limit(limit)
+    )
+    return doomed.where(_key_free(lateral)) if lock else doomed
+
+
+def _delete_finished_task() -> ReturningDelete[Any]:
+    t = tasks.alias("t")
+    retention = func.coalesce(
+        select(queues.c.terminal_retention_seconds)
+        .where(queues.c.name == t.c.queue)
+        .scalar_subquery(),
+        DEFAULT_TERMINAL_RETENTION_SECONDS,
+    )
+    expired = (
+        select(t.c.id, t.c.queue, t.c.idempotency_key)
+        .where(t.c.id == bindparam("task_id", type_=UUID_T), *_deletable(t, retention))
+        .with_for_update(of=t, skip_locked=True)
+        .subquery("expired")
+    )
+    return _returning_delete(select(expired.c.id).where(_key_free(expired)))
+
+
 #: Deletes up to ``limit`` terminal tasks whose ``completed_at`` is at least their queue's
 #: ``terminal_retention_seconds`` (604800 without a queue row) before database time, oldest
-#: first within a queue, queues by name; binds ``queue`` (NULL: every queue). Only tasks with
-#: no child row left: a parent waits for a later batch, after its children's deletion
-#: committed, so ``tasks.parent_id ON DELETE SET NULL`` never fires and a tree goes leaves
-#: first. Queues come from a loose index scan of ``ix_tasks_finished``; each queue's batch is
-#: one range of that index (queue, completed_at up to the cutoff), and each candidate's
-#: children are probed through ``ix_tasks_parent``. Locks the chosen terminal rows ``FOR
-#: UPDATE SKIP LOCKED`` (concurrent runs take disjoint rows; a task an administrator is
-#: retrying is skipped) and no other task row. Cascades to the tasks' attempts, checkpoints,
-#: signals and waits; ``tasks_idempotency_deleted`` writes each key's expiry down (never
-#: releasing it); a terminal task holds no capacity, so the capacity counter is untouched.
+#: first within a queue, queues by name; binds ``queue`` (NULL: every queue). Only tasks
+#: whose whole family is past its retention (`FAMILY_KEPT`), and only those with no child
+#: row left: a parent waits for a later batch, after its children's deletion committed, so
+#: ``tasks.parent_id ON DELETE SET NULL`` never fires and a tree goes leaves first. Queues
+#: come from a loose index scan of ``ix_tasks_finished``; each queue's batch is one range of
+#: that index (queue, completed_at up to the cutoff), and each candidate's children are
+#: probed through ``ix_tasks_parent``, its family walked through it and the primary key.
+#: Locks the chosen terminal rows ``FOR UPDATE SKIP LOCKED`` (concurrent runs take disjoint
+#: rows; a task an administrator is retrying is skipped) and no other task row. Cascades to
+#: the tasks' attempts, checkpoints, signals and waits; ``tasks_idempotency_deleted`` writes
+#: each key's expiry down (never releasing it); a terminal task holds no capacity, so the
+#: capacity counter is untouched. Binds ``skip``, ids never taken (an empty array: none).
 #: Returns ``(id, queue, parent_id)`` of the deleted tasks.
-DELETE_FINISHED_TASKS: Final = _delete_finished_tasks()
+DELETE_FINISHED_TASKS: Final = _returning_delete(_finished_tasks(lock=True))
+
+#: The ids of the tasks `DELETE_FINISHED_TASKS` would take, with the same binds; locks
+#: nothing. When a batch failed on a row another transaction holds (a history row the
+#: cascade must delete, say), its tasks are tried one at a time (`DELETE_FINISHED_TASK`).
+FINISHED_TASK_CANDIDATES: Final = _finished_tasks(lock=False)
+
+#: Deletes the task ``task_id`` when `DELETE_FINISHED_TASKS` could (finished, past its
+#: queue's terminal retention, no child left, its family past retention, its reservation
+#: free), by its primary key, locking it ``FOR UPDATE SKIP LOCKED``. Returns ``(id, queue,
+#: parent_id)``: one row, or none when it may not go (or another transaction holds it).
+DELETE_FINISHED_TASK: Final = _delete_finished_task()
 
 
 def _delete_expired_keys() -> ReturningDelete[Any]:

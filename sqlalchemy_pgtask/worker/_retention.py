@@ -17,9 +17,10 @@ import time
 from datetime import datetime
 from typing import Final
 
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from sqlalchemy_pgtask.retention import RetentionSweep
+from sqlalchemy_pgtask.retention import RetentionSweep, is_held
 from sqlalchemy_pgtask.worker._maintenance import MAX_BATCHES_PER_PASS
 
 __all__ = ["Retention"]
@@ -61,7 +62,13 @@ class Retention:
         try:
             step = next(steps)
             while True:
-                rows = (await connection.execute(*step)).all()
+                try:
+                    rows = (await connection.execute(*step)).all()
+                except DBAPIError as exc:
+                    if not is_held(exc):
+                        raise
+                    step = steps.throw(exc)  # the sweep works around the held row
+                    continue
                 step = steps.send(rows)
         except StopIteration:
             pass
