@@ -25,6 +25,8 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, create_engine, text
 
+from sqlalchemy_pgtask._url import database_url
+
 __all__ = [
     "BRANCH",
     "HEAD",
@@ -73,7 +75,7 @@ def _run(bind: Engine | Connection | str, action: str, revision: str) -> None:
 def _run_locked(bind: Engine | Connection | str, action: str, revision: str) -> None:
     engine: Engine | None = None
     if isinstance(bind, str):
-        engine = bind = create_engine(bind)
+        engine = bind = create_engine(database_url(bind, "bind"))
     try:
         if isinstance(bind, Engine):
             with bind.connect() as connection:

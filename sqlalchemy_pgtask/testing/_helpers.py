@@ -23,6 +23,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from sqlalchemy_pgtask import _url
 from sqlalchemy_pgtask._asyncio import bounded
 from sqlalchemy_pgtask.models import Queue, Schedule, Task, Wait
 from sqlalchemy_pgtask.registry import Registry
@@ -105,7 +106,7 @@ async def drain(
 
     :raises TimeoutError: work was still due or running after ``timeout`` seconds.
     """
-    engine = create_engine(database_url)
+    engine = create_engine(_url.database_url(database_url))
     identities = [(d.queue, d.name, d.version) for d in registry]
     try:
         async with running_worker(registry, database_url, options) as worker:

@@ -24,9 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, text
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
 
+from sqlalchemy_pgtask._url import database_url, parse
 from sqlalchemy_pgtask.errors import InvalidOptionError, ServerNotFound
 from sqlalchemy_pgtask.testing._binaries import find_embedded, find_local
 from sqlalchemy_pgtask.testing._cluster import (
@@ -134,15 +133,9 @@ def _url_server(url_env: str) -> ServerInfo:
     raw = os.environ.get(url_env, "").strip()
     if not raw:
         raise Unavailable(f"{url_env} is not set")
-    try:
-        url = make_url(raw)
-    except ArgumentError as exc:
-        raise InvalidOptionError(url_env, f"not a database URL ({exc})") from None
-    dialect = url.drivername.split("+", 1)[0]
-    if dialect not in ("postgresql", "postgres"):
-        raise InvalidOptionError(url_env, f"not a PostgreSQL URL (dialect {dialect!r})")
-    # The package talks to PostgreSQL through psycopg 3 only, whatever driver the URL named.
-    url = url.set(drivername="postgresql+psycopg")
+    # The package talks to PostgreSQL through psycopg 3 only, whatever driver the URL named;
+    # libpq's multi-host form (h1:5432,h2:5432) is accepted as everywhere else.
+    url = database_url(raw, url_env)
     return ServerInfo(
         url=url.render_as_string(hide_password=False),
         backend="url",
@@ -216,7 +209,9 @@ def _docker_server() -> Iterator[ServerInfo]:
 
 def _admin_engine(server_url: str) -> Engine:
     # CREATE/DROP DATABASE cannot run inside a transaction block.
-    return create_engine(server_url, isolation_level="AUTOCOMMIT", pool_size=1, max_overflow=0)
+    return create_engine(
+        parse(server_url), isolation_level="AUTOCOMMIT", pool_size=1, max_overflow=0
+    )
 
 
 def create_database(server_url: str, prefix: str, *, template: str | None = None) -> str:
@@ -232,12 +227,12 @@ def create_database(server_url: str, prefix: str, *, template: str | None = None
             connection.execute(text(f'CREATE DATABASE "{name}"{clause}'))
     finally:
         engine.dispose()
-    return make_url(server_url).set(database=name).render_as_string(hide_password=False)
+    return parse(server_url).set(database=name).render_as_string(hide_password=False)
 
 
 def drop_database(database_url: str) -> None:
     """Drop the database of ``database_url``, disconnecting whoever is still connected."""
-    url = make_url(database_url)
+    url = parse(database_url)
     engine = _admin_engine(url.set(database="postgres").render_as_string(hide_password=False))
     try:
         with engine.connect() as connection:

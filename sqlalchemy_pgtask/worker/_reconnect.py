@@ -19,12 +19,12 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Final
 
-from sqlalchemy import URL, Engine, func, make_url, select, text
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy import URL, Engine, func, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 # Re-exported: the worker's loops import them from here.
 from sqlalchemy_pgtask._failures import Backoff, brief, is_transient
+from sqlalchemy_pgtask._url import database_url
 from sqlalchemy_pgtask.errors import InvalidOptionError
 from sqlalchemy_pgtask.worker._observer import NO_OBSERVER, Observer
 
@@ -81,22 +81,15 @@ NETWORK_DEFAULTS: Final[Mapping[str, str]] = MappingProxyType({
 
 
 def _postgresql_url(database: object) -> URL:
-    """A worker's database URL: a PostgreSQL one (any driver named: the worker uses psycopg)."""
+    """A worker's database URL: a PostgreSQL one (any driver named: the worker uses psycopg),
+    libpq's multi-host failover form included (`sqlalchemy_pgtask._url`)."""
     if not isinstance(database, (str, URL)):
         raise InvalidOptionError(
             "database",
             f"must be a URL or an AsyncEngine, got {type(database).__name__}"
             + (" (a worker needs an AsyncEngine)" if isinstance(database, Engine) else ""),
         )
-    try:
-        url = make_url(database)
-    except ArgumentError as exc:
-        raise InvalidOptionError("database", f"is not a database URL: {exc}") from None
-    if url.get_backend_name() not in ("postgresql", "postgres"):  # postgres:// as Heroku writes it
-        raise InvalidOptionError(
-            "database", f"must be a PostgreSQL URL, got a {url.get_backend_name()!r} one"
-        )
-    return url
+    return database_url(database)
 
 
 def network_settings(url: URL) -> dict[str, str]:
@@ -118,7 +111,7 @@ def owned_engine(url: object) -> AsyncEngine:
 
     :raises InvalidOptionError: ``url`` is not a PostgreSQL URL.
     """
-    parsed = _postgresql_url(url).set(drivername="postgresql+psycopg")
+    parsed = _postgresql_url(url)
     return create_async_engine(
         parsed,
         connect_args=network_settings(parsed),

@@ -106,10 +106,12 @@ def test_the_worker_and_the_cli_use_no_private_module_of_the_client(package: str
         # cancellation, the validation of a task to add (a spawned child is checked
         # exactly like an enqueued task), hot statements sent as text compiled once
         # (the worker's claim and outcome writes, like the client's enqueue), and which
-        # failures are retried after what backoff (the result waiters' listener too).
+        # failures are retried after what backoff (the result waiters' listener too), and
+        # what a database URL is (libpq's multi-host form included).
         and t not in (
             f"{ROOT}._connection", f"{ROOT}._logging", f"{ROOT}._asyncio",
             f"{ROOT}._enqueue_plan", f"{ROOT}._driver_sql", f"{ROOT}._failures",
+            f"{ROOT}._url",
         )
     }
     assert private == set()
