@@ -10,6 +10,7 @@ here runs under a ``statement_timeout`` the old trigger exceeds by far on a chai
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -31,8 +32,14 @@ def auto(pgtask_engine: Engine) -> Iterator[Connection]:
         yield conn
 
 
-def _budget(conn: Connection) -> None:
+@contextlib.contextmanager
+def _budget(conn: Connection) -> Iterator[None]:
+    """The statements inside run under `BUDGET`; the checks after them do not."""
     conn.execute(text(f"SET statement_timeout = '{BUDGET}'"))
+    try:
+        yield
+    finally:
+        conn.execute(text("RESET statement_timeout"))
 
 
 def _running(conn: Connection, name: str) -> d.Lease:
@@ -43,8 +50,8 @@ def _running(conn: Connection, name: str) -> d.Lease:
 def test_cancelling_the_root_of_a_deep_chain_walks_it_once(auto: Connection) -> None:
     root = d.add_task(auto, "root")
     add_chain(auto, root, CHAIN)
-    _budget(auto)
-    assert cancel(auto, root) == "cancelled"
+    with _budget(auto):
+        assert cancel(auto, root) == "cancelled"
     assert states_below(auto, root) == {"cancelled": CHAIN}
     # Times never go back: each descendant completed no earlier than its last change.
     late = auto.execute(
@@ -56,8 +63,8 @@ def test_cancelling_the_root_of_a_deep_chain_walks_it_once(auto: Connection) -> 
 def test_completing_the_parent_above_a_deep_chain_records_its_outcome(auto: Connection) -> None:
     parent = _running(auto, "parent")
     add_chain(auto, parent.task_id, CHAIN)
-    _budget(auto)
-    assert d.complete(auto, parent, "done") == [(parent.task_id, "succeeded")]
+    with _budget(auto):
+        assert d.complete(auto, parent, "done") == [(parent.task_id, "succeeded")]
     assert states_below(auto, parent.task_id) == {"cancelled": CHAIN}
 
 
@@ -69,8 +76,8 @@ def test_a_wait_timeout_above_a_deep_chain_is_applied(
     d.waiting_on_child(auto, parent, "await-ship", child, timeout=60.0)
     add_chain(auto, child, CHAIN)
     pgtask_clock.advance(61)
-    _budget(auto)
-    assert d.wait_timeouts(auto) == [parent.task_id]
+    with _budget(auto):
+        assert d.wait_timeouts(auto) == [parent.task_id]
     assert d.task_of(auto, child)["state"] == "cancelled"
     assert states_below(auto, child) == {"cancelled": CHAIN}
 
@@ -78,8 +85,8 @@ def test_a_wait_timeout_above_a_deep_chain_is_applied(
 def test_cancelling_the_root_of_a_wide_tree_cancels_every_descendant(auto: Connection) -> None:
     root = d.add_task(auto, "root")
     add_tree(auto, root, 20_000)
-    _budget(auto)
-    assert cancel(auto, root) == "cancelled"
+    with _budget(auto):
+        assert cancel(auto, root) == "cancelled"
     assert states_below(auto, root) == {"cancelled": 20_000}
 
 

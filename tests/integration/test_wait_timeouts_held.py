@@ -145,3 +145,38 @@ async def test_the_worker_sets_a_held_wait_aside_and_times_out_the_others(
         assert d.task_of(auto, family.grandchild)["state"] == "cancelled"
     finally:
         await connection.close()
+
+
+async def test_after_a_batch_cut_short_the_waits_are_timed_out_one_at_a_time(
+    pgtask_engine: Engine, auto: Connection, pgtask_async_engine: AsyncEngine,
+    pgtask_clock: DatabaseClock, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A lock the statement cannot skip (another transaction inserting the very checkpoint
+    the timeout would store) cuts the whole batch short: the due waits are then tried one at a
+    time, the held one set aside, the other timed out."""
+    family = _family(auto, pgtask_clock)
+    connection = HeldConnection(
+        pgtask_async_engine.execution_options(isolation_level="AUTOCOMMIT"),
+        lock_timeout=0.2, statement_timeout=30.0,
+    )
+    service = WaitTimeouts(interval=5.0, batch_size=10)
+    with pgtask_engine.connect() as holder:
+        holder.execute(
+            text(
+                "INSERT INTO pgtask.checkpoints (task_id, version, step, occurrence, kind, value)"
+                " VALUES (:id, :version, 'await-ship', 0, 'result', '{}'::jsonb)"
+            ),
+            {"id": family.parent, "version": d.VERSION},
+        )
+        try:
+            async with connection.use() as c:
+                await service.run_once(c)
+            assert d.task_of(auto, family.unrelated)["state"] == "pending"
+            assert d.task_of(auto, family.parent)["state"] == "waiting"
+            assert any(
+                f"wait timeout of task {family.parent} held back (lock_not_available)"
+                in r.getMessage() for r in caplog.records
+            )
+        finally:
+            holder.rollback()
+            await connection.close()

@@ -61,10 +61,13 @@ def states_below(conn: Connection, head: uuid.UUID) -> dict[str, int]:
     """How many descendants of ``head`` are in each state."""
     rows = conn.execute(
         text(
+            # A lateral probe per task (OFFSET 0): a plain recursive join may be planned as a
+            # scan of the whole table per level, n^2 on a deep chain.
             "WITH RECURSIVE below AS ("
             "  SELECT id, state FROM pgtask.tasks WHERE parent_id = :head"
-            "  UNION ALL SELECT t.id, t.state FROM pgtask.tasks AS t"
-            "  JOIN below ON t.parent_id = below.id)"
+            "  UNION ALL SELECT c.id, c.state FROM below CROSS JOIN LATERAL ("
+            "    SELECT t.id, t.state FROM pgtask.tasks AS t WHERE t.parent_id = below.id"
+            "    OFFSET 0) AS c)"
             " SELECT state, count(*) FROM below GROUP BY state"
         ),
         {"head": head},
