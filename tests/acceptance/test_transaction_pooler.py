@@ -17,14 +17,18 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, func, select
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from sqlalchemy_pgtask import (
+    EnqueueRequest,
     InvalidOptionError,
     Registry,
     TaskContext,
     Worker,
     WorkerOptions,
     enqueue,
+    enqueue_async,
+    enqueue_many_async,
 )
 from sqlalchemy_pgtask.models import Task
 from sqlalchemy_pgtask.testing import running_worker
@@ -130,3 +134,24 @@ def test_a_worker_behind_a_session_mode_pooler_starts_and_runs_a_task(
     with transaction_pooler(pgtask_database_url, mode="session") as url:
         asyncio.run(scenario(url))
     assert ran == [{"n": 1}]
+
+
+def test_concurrent_async_enqueues_through_a_transaction_pooler_all_commit(
+    pooled_url: str, db: Database
+) -> None:
+    async def scenario() -> None:
+        engine = create_async_engine(pooled_url, pool_size=THREADS, max_overflow=0)
+        try:
+            async def produce(index: int) -> None:
+                for n in range(PER_THREAD):
+                    async with engine.begin() as connection:
+                        await enqueue_async(connection, "job", {"task": index, "n": n})
+                        request = EnqueueRequest(name="job", payload={"task": index, "m": n})
+                        await enqueue_many_async(connection, [request])
+
+            await asyncio.gather(*(produce(i) for i in range(THREADS)))
+        finally:
+            await engine.dispose()
+
+    asyncio.run(scenario())
+    assert db.scalar("SELECT count(*) FROM pgtask.tasks") == 2 * THREADS * PER_THREAD
