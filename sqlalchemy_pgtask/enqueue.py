@@ -39,6 +39,7 @@ from sqlalchemy_pgtask._enqueue_plan import (
     plan_one,
     validate_many,
 )
+from sqlalchemy_pgtask._prepared import unprepared, unprepared_async
 
 __all__ = [
     "DEFAULT_MAX_ATTEMPTS",
@@ -58,7 +59,7 @@ DEFAULT_MAX_ATTEMPTS: Final = 5
 def _execute(bind: Session | Connection, plan: Plan) -> list[EnqueueResult]:
     connection = connection_of(bind)
     steps = execution(plan)
-    with translated_errors(idempotent=plan.idempotent):
+    with unprepared(connection), translated_errors(idempotent=plan.idempotent):
         statement, params = next(steps)
         while True:
             result = execute(connection, statement, params)
@@ -72,15 +73,16 @@ def _execute(bind: Session | Connection, plan: Plan) -> list[EnqueueResult]:
 async def _execute_async(bind: AsyncSession | AsyncConnection, plan: Plan) -> list[EnqueueResult]:
     connection = await async_connection_of(bind)
     steps = execution(plan)
-    with translated_errors(idempotent=plan.idempotent):
-        statement, params = next(steps)
-        while True:
-            result = await execute_async(connection, statement, params)
-            try:
-                statement, params = steps.send(result.all() if result.returns_rows else None)
-            except StopIteration as done:
-                results: list[EnqueueResult] = done.value
-                return results
+    async with unprepared_async(connection):
+        with translated_errors(idempotent=plan.idempotent):
+            statement, params = next(steps)
+            while True:
+                result = await execute_async(connection, statement, params)
+                try:
+                    statement, params = steps.send(result.all() if result.returns_rows else None)
+                except StopIteration as done:
+                    results: list[EnqueueResult] = done.value
+                    return results
 
 
 def enqueue(
@@ -177,8 +179,9 @@ def enqueue_many(bind: SyncBind, requests: Iterable[EnqueueRequest]) -> list[Enq
     if not rows:
         return []
     if copyable(rows):
-        with translated_errors(idempotent=False):
-            if copy_rows_sync(connection_of(target), rows):
+        connection = connection_of(target)
+        with unprepared(connection), translated_errors(idempotent=False):
+            if copy_rows_sync(connection, rows):
                 return [EnqueueResult(row.id, True) for row in rows]
     return _execute(target, plan_many(rows))
 
@@ -192,7 +195,9 @@ async def enqueue_many_async(
     if not rows:
         return []
     if copyable(rows):
-        with translated_errors(idempotent=False):
-            if await copy_rows_async(await async_connection_of(target), rows):
-                return [EnqueueResult(row.id, True) for row in rows]
+        connection = await async_connection_of(target)
+        async with unprepared_async(connection):
+            with translated_errors(idempotent=False):
+                if await copy_rows_async(connection, rows):
+                    return [EnqueueResult(row.id, True) for row in rows]
     return await _execute_async(target, plan_many(rows))

@@ -27,7 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask._asyncio import bounded, first
-from sqlalchemy_pgtask.errors import InvalidOptionError, SchemaNotInstalled, WorkerCrashed
+from sqlalchemy_pgtask.errors import InvalidOptionError, WorkerCrashed
 from sqlalchemy_pgtask.registry import Registry
 from sqlalchemy_pgtask.statements import Capability
 from sqlalchemy_pgtask.statements.rescue import LOCK_NAMESPACE
@@ -44,6 +44,7 @@ from sqlalchemy_pgtask.worker._producer import Producer
 from sqlalchemy_pgtask.worker._reconnect import HeldConnection, owned_engine
 from sqlalchemy_pgtask.worker._registration import Registration
 from sqlalchemy_pgtask.worker._services import maintenance_services
+from sqlalchemy_pgtask.worker._session import check_database
 from sqlalchemy_pgtask.worker._stopped import Stopped
 from sqlalchemy_pgtask.worker._transactions import TransactionEngines
 
@@ -236,6 +237,7 @@ class Worker:
         :raises WorkerCrashed: an internal loop failed; the worker stopped and handed its
             tasks back.
         :raises SchemaNotInstalled: the pgtask schema is missing.
+        :raises InvalidOptionError: its connections go through a transaction pooler.
         :raises PolicyConflict: a handler's policy differs from the one frozen in the database.
         """
         self._stopped.start()
@@ -304,10 +306,7 @@ class Worker:
         self._maintenance.wake()
 
     async def _check_schema(self) -> None:
-        async with self._engine.connect() as conn:
-            installed = (await conn.execute(statements.SCHEMA_INSTALLED)).scalar_one()
-        if not installed:
-            raise SchemaNotInstalled()
+        await check_database(self._engine)  # the schema, and no transaction pooler in the way
 
     async def _stop(self) -> None:
         """Stop claiming, drain within the grace period, hand back what is left."""
