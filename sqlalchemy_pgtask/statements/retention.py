@@ -49,7 +49,7 @@ from sqlalchemy_pgtask.statements._common import (
     seconds,
     tasks,
 )
-from sqlalchemy_pgtask.statements._family import DEFAULT_TERMINAL_RETENTION_SECONDS, FAMILY_KEPT
+from sqlalchemy_pgtask.statements._family import DEFAULT_TERMINAL_RETENTION_SECONDS, FREE_LEAF
 from sqlalchemy_pgtask.statements.enqueue import DEFAULT_IDEMPOTENCY_RETENTION_SECONDS
 from sqlalchemy_pgtask.states import TERMINAL_STATES
 
@@ -156,13 +156,9 @@ def _deletable(
     t: FromClause, retention: ColumnElement[Any]
 ) -> list[ColumnElement[bool] | TextClause]:
     """``t`` may go: finished ``retention`` seconds ago, no child left, its family not kept."""
-    child = tasks.alias("child")
-    has_child = select(child.c.id).where(child.c.parent_id == t.c.id).exists()
-    # A family (a root and all its descendants) goes as a whole: any member kept keeps
-    # every member (`FAMILY_KEPT`).
-    return [
-        _finished(t), t.c.completed_at <= NOW - seconds(retention), ~has_child, FAMILY_KEPT,
-    ]
+    # A leaf only, and a family (a root and all its descendants) goes as a whole: any
+    # member kept keeps every member (`FREE_LEAF`).
+    return [_finished(t), t.c.completed_at <= NOW - seconds(retention), FREE_LEAF]
 
 
 def _key_free(expired: FromClause) -> ColumnElement[bool]:
@@ -241,7 +237,7 @@ def _delete_finished_task() -> ReturningDelete[Any]:
 #: Deletes up to ``limit`` terminal tasks whose ``completed_at`` is at least their queue's
 #: ``terminal_retention_seconds`` (604800 without a queue row) before database time, oldest
 #: first within a queue, queues by name; binds ``queue`` (NULL: every queue). Only tasks
-#: whose whole family is past its retention (`FAMILY_KEPT`), and only those with no child
+#: whose whole family is past its retention (`FREE_LEAF`), and only those with no child
 #: row left: a parent waits for a later batch, after its children's deletion committed, so
 #: ``tasks.parent_id ON DELETE SET NULL`` never fires and a tree goes leaves first. Queues
 #: come from a loose index scan of ``ix_tasks_finished``; each queue's batch is one range of
