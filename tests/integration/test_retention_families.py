@@ -21,12 +21,14 @@ import pytest
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from sqlalchemy_pgtask import configure_queue
+from sqlalchemy_pgtask import Registry, RetryPolicy, TaskContext, WorkerOptions, configure_queue
+from sqlalchemy_pgtask.admin import retry
 from sqlalchemy_pgtask.retention import run_retention
-from sqlalchemy_pgtask.testing import DatabaseClock
+from sqlalchemy_pgtask.testing import DatabaseClock, running_worker
 from sqlalchemy_pgtask.worker._reconnect import HeldConnection
 from sqlalchemy_pgtask.worker._retention import Retention
 from tests.integration.test_retention import DAY, finished, tasks_left
+from tests.support.tasks import add, wait_for_state
 from tests.support.waiting import PATIENCE, wait_until
 
 YEAR = 365 * DAY
@@ -192,3 +194,52 @@ async def test_a_worker_pass_sets_aside_a_task_whose_history_row_is_held(
         await held.close()
     assert _left(pgtask_engine) == {others[0]}
     assert any(str(others[0]) in r.getMessage() for r in caplog.records)
+
+
+# -- the reproduction with a real worker and durable workflow -----------------------------------
+
+
+async def test_a_retried_workflow_finds_its_short_lived_child_after_retention(
+    pgtask_engine: Engine, pgtask_async_engine: AsyncEngine, pgtask_database_url: str
+) -> None:
+    _short_and_long(pgtask_engine)
+    registry = Registry()
+
+    @registry.task("brief", queue="short")
+    async def brief(ctx: TaskContext, payload: None) -> str:
+        return "brief"
+
+    @registry.task("lasting", queue="long")
+    async def lasting(ctx: TaskContext, payload: None) -> str:
+        return "lasting"
+
+    @registry.task("parent", queue="short", retry=RetryPolicy.never())
+    async def parent(ctx: TaskContext, payload: None) -> list[Any]:
+        first = await ctx.spawn("brief", "brief", None, queue="short")
+        second = await ctx.spawn("lasting", "lasting", None, queue="long")
+        kept = (await ctx.wait_for_result("l", second)).result
+        if ctx.attempt == 1:  # fails before it asked for the brief child's result
+            raise RuntimeError("fails once its long-lived child is done")
+        return [(await ctx.wait_for_result("b", first)).result, kept]
+
+    options = WorkerOptions(lease_duration=5.0, shutdown_grace=2.0, poll_interval=0.2,
+                            queues=("short", "long"))
+    task_id = await add(pgtask_async_engine, "parent", queue="short")
+    async with running_worker(registry, pgtask_database_url, options):
+        assert (await wait_for_state(pgtask_async_engine, task_id, timeout=PATIENCE))[
+            "state"] == "failed"
+        with pgtask_engine.connect() as conn:
+            children = conn.execute(text(
+                "SELECT id FROM pgtask.tasks WHERE parent_id = :p"), {"p": task_id}).scalars()
+            for child in list(children):
+                await wait_for_state(pgtask_async_engine, child, timeout=PATIENCE)
+        # The parent is past its own retention (0 s) but kept by its long-lived child; the
+        # brief child went here before, and the retried parent's replay failed on it ("not a
+        # direct child").
+        run_retention(pgtask_engine)
+        with pgtask_engine.begin() as conn:
+            retry(conn, task_id)
+        row = await wait_for_state(pgtask_async_engine, task_id, timeout=PATIENCE)
+    assert (row["state"], row["error"], row["result"]) == (
+        "succeeded", None, ["brief", "lasting"])
+    assert len(_left(pgtask_engine)) == 3
