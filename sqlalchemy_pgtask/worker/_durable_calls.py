@@ -55,6 +55,7 @@ class DurableCalls:
         self.on_wait = on_wait
         #: The connection each attempt's call in flight uses (by the attempt's id).
         self._using: dict[int, HeldConnection] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
 
     @contextlib.asynccontextmanager
     async def _connection(self, owner: object) -> AsyncIterator[AsyncConnection]:
@@ -71,7 +72,13 @@ class DurableCalls:
         """Sever the connection ``owner``'s durable call waits on, if it is in one: the call
         fails at once (and, the attempt being told to stop, raises `LeaseLost`)."""
         held = self._using.get(id(owner))
-        return held is not None and held.sever()
+        if held is not None and held.sever():
+            return True
+        call = self._calls.get(id(owner))
+        if call is None or call.done():
+            return False
+        call.cancel()  # taking or opening a connection: no statement in flight to cancel
+        return True
 
     async def _once(
         self, owner: DurableAttempt, body: Callable[[AsyncConnection], Awaitable[T]],
@@ -93,16 +100,22 @@ class DurableCalls:
         it severs the call's connection instead and waits (briefly) for the call to fail.
         Cancelled, psycopg would send a cancel request and wait for it, up to 10 s on a dead
         path, the handler running on past its lease meanwhile."""
-        call = asyncio.ensure_future(self._once(owner, body, transaction))
+        call = self._calls[id(owner)] = asyncio.ensure_future(self._once(owner, body, transaction))
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
-            if not call.done():
-                self.sever_for(owner)
-                await asyncio.wait({call}, timeout=1.0)
-                call.cancel()  # no-op once it failed
+            if call.cancelled():  # stopped by `sever_for` before it sent anything
+                raise LeaseLost(f"task {owner.lease.task_id}: the attempt was stopped") from None
+            # Severed, its statement fails at the loop's next turn; not in one yet (taking
+            # or opening a connection), it is cancelled at once: no statement to cancel.
+            if not call.done() and self.sever_for(owner):
+                await asyncio.wait({call}, timeout=0.5)
+            call.cancel()  # no-op once it failed
             call.add_done_callback(_retrieve)
             raise
+        finally:
+            if self._calls.get(id(owner)) is call:
+                del self._calls[id(owner)]
 
     async def run(
         self,

@@ -4,17 +4,20 @@ worker's connections open, acks every byte, and forwards nothing (`tests.support
 Every statement the worker sends has a deadline on its own clock: a connection that answers
 nothing is severed and replaced, so once the path comes back the worker claims again, and its
 heartbeat goes on, without a restart. Meanwhile the probes say so: ``/healthz`` fails once no
-round trip succeeded for ``health_timeout``, ``/readyz`` while the worker cannot claim.
+round trip succeeded for ``health_timeout``, ``/readyz`` while the worker cannot claim, and
+``pgtask status`` shows a worker whose heartbeat stopped as such.
 """
 
 from __future__ import annotations
 
 import uuid
 
-from sqlalchemy import text
+from sqlalchemy import Engine, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from sqlalchemy_pgtask import Registry, TaskContext, WorkerOptions
+from sqlalchemy_pgtask.cli._render import status_lines
+from sqlalchemy_pgtask.status import live_workers
 from sqlalchemy_pgtask.testing import running_worker, wait_until
 from tests.acceptance.test_metrics import free_port, probe
 from tests.support.blackhole import black_hole_proxy
@@ -96,3 +99,24 @@ async def test_the_probes_fail_while_the_path_is_silent_and_recover_when_it_is_b
 async def _answers(port: int, path: str, status: int) -> bool:
     answer = await probe(port, path)
     return answer is not None and answer[0] == status
+
+
+async def test_status_shows_a_worker_whose_heartbeat_stopped_as_such(
+    pgtask_database_url: str, pgtask_engine: Engine
+) -> None:
+    options = WorkerOptions(lease_duration=1.5, poll_interval=0.2, heartbeat_interval=0.3,
+                            worker_ttl=20.0, shutdown_grace=1.0)
+
+    def status() -> str:
+        with pgtask_engine.connect() as conn:
+            return "\n".join(status_lines(live_workers(conn), [], []))
+
+    with black_hole_proxy(pgtask_database_url) as proxy:
+        async with running_worker(_registry(), proxy.url(pgtask_database_url), options) as worker:
+            await wait_until(lambda: str(worker.id) in status(), PATIENCE)
+            assert "heartbeat stopped" not in status()
+            proxy.black_hole()
+            await wait_until(lambda: "heartbeat stopped" in status(), PATIENCE,
+                             message="status says the heartbeat stopped")
+            [line] = [x for x in status().splitlines() if str(worker.id) in x]
+            assert "s ago (expires in " in line, line

@@ -85,10 +85,10 @@ class BlackHoleProxy:
         for writer in list(self._writers):
             with contextlib.suppress(Exception):
                 writer.transport.abort()
+        # Aborted, each connection's reads end: its task finishes on its own.
         others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for task in others:
-            task.cancel()
-        await asyncio.gather(*others, return_exceptions=True)
+        if others:
+            await asyncio.wait(others, timeout=5)
 
     async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         self.accepted += 1
@@ -118,7 +118,7 @@ class BlackHoleProxy:
                     writer.write(data)
                     await writer.drain()
 
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.gather(pump(client_r, server_w), pump(server_r, client_w))
             with contextlib.suppress(Exception):
                 server_w.transport.abort()
