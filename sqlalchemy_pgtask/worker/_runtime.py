@@ -381,7 +381,7 @@ class Worker:
 
     async def _close(self) -> None:
         self._closing = True
-        await abandon_after(self._observer.stop(), 1.0)
+        await abandon_after(self._observer.stop(), _STEP_TIMEOUT / 2)
         exit_by = self._exit_by or time.monotonic() + _STEP_TIMEOUT
         handles = self._executor.handles()
         for attempt in self._book.running():
