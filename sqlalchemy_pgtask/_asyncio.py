@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+import socket
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
-__all__ = ["bounded", "first"]
+__all__ = ["bounded", "first", "sever", "severing"]
 
 _T = TypeVar("_T")
 
@@ -57,3 +58,49 @@ async def first(*waits: Awaitable[Any], timeout: float | None = None) -> None:
                 task.exception()  # the caller decides what an ended wait means
             else:
                 task.cancel()
+
+
+def _driver(connection: Any) -> Any:
+    """The psycopg connection under a SQLAlchemy ``AsyncConnection`` (or the psycopg one)."""
+    sync = getattr(connection, "sync_connection", None)
+    if sync is not None or hasattr(connection, "get_raw_connection"):
+        return None if sync is None else sync.connection.driver_connection
+    return connection
+
+
+def sever(connection: Any) -> bool:
+    """Shut ``connection``'s socket down (both ways); whether there was one to shut.
+
+    Whatever waits on it (a statement, a notification) fails at once with a lost connection;
+    the socket itself is closed later, by whoever owns the connection.
+    """
+    with contextlib.suppress(Exception):
+        driver = _driver(connection)
+        if driver is None or driver.closed:
+            return False
+        fd = driver.pgconn.socket
+        # A duplicate descriptor: shutdown acts on the socket shared by both, and closing
+        # the duplicate leaves the driver's own descriptor for the driver to close.
+        with socket.socket(fileno=socket.dup(fd)) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def severing(connection: Any, seconds: float) -> Iterator[list[bool]]:
+    """Sever ``connection`` if the body still runs after ``seconds``.
+
+    Yields a one-item list that is ``[True]`` once the deadline fired.
+    """
+    fired = [False]
+
+    def expire() -> None:
+        fired[0] = True
+        sever(connection)
+
+    handle = asyncio.get_running_loop().call_later(seconds, expire)
+    try:
+        yield fired
+    finally:
+        handle.cancel()

@@ -37,7 +37,7 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.orm import Session, scoped_session
 
-from sqlalchemy_pgtask._asyncio import bounded
+from sqlalchemy_pgtask._asyncio import bounded, severing
 from sqlalchemy_pgtask._failures import SERIALIZATION_FAILURE
 from sqlalchemy_pgtask.errors import (
     IdempotencyConflict,
@@ -276,6 +276,15 @@ class AsyncListener:
         async for notification in self._driver.notifies(timeout=timeout):
             yield str(notification.payload)
 
+    async def ping(self) -> None:
+        """One round trip on the listening connection (a silent one may be dead)."""
+        await self._driver.execute("SELECT 1")
+
+    @property
+    def driver(self) -> Any:
+        """The psycopg connection."""
+        return self._driver
+
 
 class Listener:
     """`AsyncListener` for a synchronous engine."""
@@ -298,17 +307,25 @@ async def listening_connection(
     The connection comes from the engine, so its ``connect_args``, ``creator`` and events
     apply; it is invalidated afterwards instead of going back to the pool with a LISTEN on it
     (which also releases the lock). Connecting and subscribing each give up after ``timeout``
-    seconds.
+    seconds (`TimeoutError`).
     """
     connection = await bounded(engine.connect(), timeout, discard=_close)
     try:
         raw = await connection.get_raw_connection()
         driver: Any = raw.driver_connection  # psycopg.AsyncConnection
-        await bounded(driver.set_autocommit(True), timeout)
-        if lock is not None:
-            await bounded(driver.execute("SELECT pg_advisory_lock_shared(%s, %s)", lock), timeout)
-        for channel in channels:
-            await bounded(driver.execute(f"LISTEN {channel}"), timeout)
+        # Severed, not cancelled, at the deadline: psycopg answers a cancellation with a
+        # cancel request over the same (maybe dead) path, and waits for it.
+        with severing(driver, timeout) as fired:
+            try:
+                await driver.set_autocommit(True)
+                if lock is not None:
+                    await driver.execute("SELECT pg_advisory_lock_shared(%s, %s)", lock)
+                for channel in channels:
+                    await driver.execute(f"LISTEN {channel}")
+            except Exception as exc:
+                if fired[0]:
+                    raise TimeoutError(f"gave up after {timeout:g} s") from exc
+                raise
         yield AsyncListener(driver)
     finally:
         with contextlib.suppress(Exception):

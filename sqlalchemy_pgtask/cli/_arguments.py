@@ -140,6 +140,17 @@ def _add_worker(commands: Any) -> None:
         default=worker_default("metrics_interval"),
         help="seconds between samples of the queues' backlog (default: %(default)s)",
     )
+    worker.add_argument(
+        "--health-timeout", type=_seconds, metavar="SECONDS",
+        help="/healthz answers 503 after this long without a round trip to PostgreSQL "
+        "(default: the lease duration)",
+    )
+    worker.add_argument(
+        "--on-stuck-handler", choices=("warn", "exit"),
+        default=worker_default("on_stuck_handler"),
+        help="a def handler still running after its stop request when its lease can expire: "
+        "log it, or exit with status 75 so no second run overlaps it (default: %(default)s)",
+    )
     worker.set_defaults(handler=_commands.worker)
 
 

@@ -84,6 +84,8 @@ def worker(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         metrics_interval=args.metrics_interval,
+        health_timeout=args.health_timeout,
+        on_stuck_handler=args.on_stuck_handler,
     )
     # First signal: drain; second: hand back what runs and stop now; later ones are ignored
     # until the process has exited, so a late signal cannot turn a clean exit into 143/130.

@@ -75,9 +75,14 @@ def status_lines(
     out = [f"live workers: {len(workers)}"]
     for w in workers:
         flag = " (draining)" if w.draining else ""
+        if w.heartbeat_stopped:
+            left = max(0.0, w.ttl_seconds - w.heartbeat_age_seconds)
+            beat = f"heartbeat stopped {w.heartbeat_age_seconds:.1f}s ago (expires in {left:.1f}s)"
+        else:
+            beat = f"heartbeat {w.heartbeat_age_seconds:.1f}s ago"
         out.append(
             f"  {w.id}  {w.hostname} pid {w.pid}  queues {','.join(w.queues)}  "
-            f"concurrency {w.concurrency}  heartbeat {w.heartbeat_age_seconds:.1f}s ago{flag}"
+            f"concurrency {w.concurrency}  {beat}{flag}"
         )
     out.append("queues:" if queues else "queues: none has settings or tasks")
     for q in queues:

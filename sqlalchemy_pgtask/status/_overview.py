@@ -48,6 +48,15 @@ class WorkerInfo:
     draining: bool
     started_at: datetime
     heartbeat_age_seconds: float
+    #: How long a heartbeat keeps the worker live (``expires_at - heartbeat_at``).
+    ttl_seconds: float = 0.0
+
+    @property
+    def heartbeat_stopped(self) -> bool:
+        """Its last heartbeat is older than half its TTL: a live worker beats at least
+        twice as often (``heartbeat_interval`` < ``worker_ttl``, by default a third), so it
+        cannot reach the database (or its process is frozen). It expires at the TTL."""
+        return self.ttl_seconds > 0 and self.heartbeat_age_seconds > self.ttl_seconds / 2
 
 
 @dataclass(frozen=True)
@@ -114,6 +123,7 @@ def live_workers(connection: Connection) -> list[WorkerInfo]:
             WorkerRecord.version, WorkerRecord.concurrency, WorkerRecord.draining,
             WorkerRecord.started_at,
             func.extract("epoch", now - WorkerRecord.heartbeat_at).label("age"),
+            func.extract("epoch", WorkerRecord.expires_at - WorkerRecord.heartbeat_at).label("ttl"),
         )
         .where(WorkerRecord.expires_at > now)
         .order_by(WorkerRecord.started_at.desc())
@@ -122,7 +132,7 @@ def live_workers(connection: Connection) -> list[WorkerInfo]:
         WorkerInfo(
             id=r.id, hostname=r.hostname, pid=r.pid, queues=tuple(r.queues), version=r.version,
             concurrency=r.concurrency, draining=r.draining, started_at=r.started_at,
-            heartbeat_age_seconds=float(r.age),
+            heartbeat_age_seconds=float(r.age), ttl_seconds=float(r.ttl),
         )
         for r in rows
     ]

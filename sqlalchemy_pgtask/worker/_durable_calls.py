@@ -48,20 +48,74 @@ class DurableCalls:
         self.book = book
         self.engines = engines
         self._idle: asyncio.Queue[HeldConnection] = asyncio.Queue()
-        self._connections = [make_connection() for _ in range(size)]
-        for connection in self._connections:
+        self.connections = [make_connection() for _ in range(size)]
+        for connection in self.connections:
             self._idle.put_nowait(connection)
         #: Told the seconds until a wait just registered times out (its timeout pass).
         self.on_wait = on_wait
+        #: The connection each attempt's call in flight uses (by the attempt's id).
+        self._using: dict[int, HeldConnection] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
 
     @contextlib.asynccontextmanager
-    async def _connection(self) -> AsyncIterator[AsyncConnection]:
+    async def _connection(self, owner: object) -> AsyncIterator[AsyncConnection]:
         held = await self._idle.get()
+        self._using[id(owner)] = held
         try:
             async with held.use() as connection:
                 yield connection
         finally:
+            self._using.pop(id(owner), None)
             self._idle.put_nowait(held)
+
+    def sever_for(self, owner: object) -> bool:
+        """Sever the connection ``owner``'s durable call waits on, if it is in one: the call
+        fails at once (and, the attempt being told to stop, raises `LeaseLost`)."""
+        held = self._using.get(id(owner))
+        if held is not None and held.sever():
+            return True
+        call = self._calls.get(id(owner))
+        if call is None or call.done():
+            return False
+        call.cancel()  # taking or opening a connection: no statement in flight to cancel
+        return True
+
+    async def _once(
+        self, owner: DurableAttempt, body: Callable[[AsyncConnection], Awaitable[T]],
+        transaction: bool,
+    ) -> T:
+        async with self._connection(owner) as connection:
+            if not transaction:
+                return await body(connection)
+            await connection.exec_driver_sql("BEGIN ISOLATION LEVEL READ COMMITTED")
+            result = await body(connection)
+            await connection.exec_driver_sql("COMMIT")
+            return result
+
+    async def _shielded(
+        self, owner: DurableAttempt, body: Callable[[AsyncConnection], Awaitable[T]],
+        transaction: bool,
+    ) -> T:
+        """`_once` in a task of its own, which a cancellation of the handler never reaches:
+        it severs the call's connection instead and waits (briefly) for the call to fail.
+        Cancelled, psycopg would send a cancel request and wait for it, up to 10 s on a dead
+        path, the handler running on past its lease meanwhile."""
+        call = self._calls[id(owner)] = asyncio.ensure_future(self._once(owner, body, transaction))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            if call.cancelled():  # stopped by `sever_for` before it sent anything
+                raise LeaseLost(f"task {owner.lease.task_id}: the attempt was stopped") from None
+            # Severed, its statement fails at the loop's next turn; not in one yet (taking
+            # or opening a connection), it is cancelled at once: no statement to cancel.
+            if not call.done() and self.sever_for(owner):
+                await asyncio.wait({call}, timeout=0.5)
+            call.cancel()  # no-op once it failed
+            call.add_done_callback(_retrieve)
+            raise
+        finally:
+            if self._calls.get(id(owner)) is call:
+                del self._calls[id(owner)]
 
     async def run(
         self,
@@ -75,13 +129,7 @@ class DurableCalls:
         backoff = Backoff(base=0.05, cap=2.0)
         while True:
             try:
-                async with self._connection() as connection:
-                    if not transaction:
-                        return await body(connection)
-                    await connection.exec_driver_sql("BEGIN ISOLATION LEVEL READ COMMITTED")
-                    result = await body(connection)
-                    await connection.exec_driver_sql("COMMIT")
-                    return result
+                return await self._shielded(owner, body, transaction)
             except Exception as exc:
                 if not is_transient(exc):
                     raise
@@ -104,7 +152,12 @@ class DurableCalls:
         return await self.run(owner, body)
 
     async def close(self) -> None:
-        for connection in self._connections:
+        for connection in self.connections:
             with contextlib.suppress(Exception):
                 await connection.close()
         await self.engines.close()
+
+
+def _retrieve(call: asyncio.Future[Any]) -> None:
+    if not call.cancelled():
+        call.exception()  # the handler is gone: nobody else reads it

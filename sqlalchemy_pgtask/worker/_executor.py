@@ -34,6 +34,7 @@ from sqlalchemy_pgtask.statements import Lease
 from sqlalchemy_pgtask.worker._attempts import ActiveAttempt, AttemptBook
 from sqlalchemy_pgtask.worker._durable import DurableAttempt
 from sqlalchemy_pgtask.worker._durable_calls import DurableCalls
+from sqlalchemy_pgtask.worker._stuck import STUCK_FRACTION, OnStuckHandler, StuckHandlers
 
 __all__ = ["Executor", "HandlerThreads", "OutcomeSink"]
 
@@ -133,7 +134,11 @@ class Executor:
         worker_id: Any,
         lease_seconds: float,
         durable: DurableCalls,
+        on_stuck: OnStuckHandler = "warn",
     ) -> None:
+        self.stuck = StuckHandlers(on_stuck)
+        #: Set once a synchronous handler's thread returned, by attempt.
+        self._thread_done: dict[ActiveAttempt, threading.Event] = {}
         self._registry = registry
         self._durable = durable
         self._lease = lease_seconds
@@ -231,9 +236,18 @@ class Executor:
                 returned = await definition.handler(ctx, attempt.payload)
             else:
                 # In this task's context (as asyncio.to_thread does): its trace span included.
-                ok, value = await self._threads.run(functools.partial(
+                call = functools.partial(
                     contextvars.copy_context().run, definition.handler, ctx, attempt.payload
-                ))
+                )
+                done = self._thread_done[attempt] = threading.Event()
+
+                def job() -> Any:
+                    try:
+                        return call()
+                    finally:
+                        done.set()
+
+                ok, value = await self._threads.run(job)
                 if not ok:
                     raise value
                 returned = value
@@ -249,6 +263,7 @@ class Executor:
         """Decide the attempt's outcome and hand it to the writer; free its slot."""
         ctx, definition = attempt.ctx, attempt.definition
         outcome: Outcome | None = None
+        done = self._thread_done.pop(attempt, None)
         try:
             if attempt.suspended:
                 pass  # its durable call released the lease; nothing more to write
@@ -267,6 +282,11 @@ class Executor:
                     "task %s attempt %d: its synchronous handler ignored the stop request; "
                     "handed back to run again in %.1fs", ctx.task_id, ctx.attempt, self._lease,
                 )
+                if done is not None:  # still running when the lease can expire: stuck
+                    due = attempt.lease_sent_at + self._lease * STUCK_FRACTION - time.monotonic()
+                    asyncio.get_running_loop().call_later(
+                        max(0.0, due), self.stuck.report, attempt, done
+                    )
             else:
                 outcome = decide(
                     returned=returned,
@@ -362,6 +382,10 @@ class Executor:
         first = attempt.ctx.request_stop(reason)
         if attempt.handle is None or attempt.settled or attempt.handle.done():
             return
+        if not attempt.definition.is_async and reason != "cancelled":
+            # Its durable call in flight (on a connection that may answer nothing) fails now,
+            # and raises LeaseLost in the handler's thread: the thread cannot be cancelled.
+            self._durable.sever_for(attempt.ctx._durable)
         if (attempt.definition.is_async and first) or force:
             attempt.stopped_by_worker = True
             attempt.handle.cancel()

@@ -26,6 +26,7 @@ from sqlalchemy_pgtask.states import RUNNING
 from sqlalchemy_pgtask.worker._attempts import ActiveAttempt, AttemptBook
 from sqlalchemy_pgtask.worker._executor import Executor
 from sqlalchemy_pgtask.worker._reconnect import Backoff, HeldConnection, brief, is_transient
+from sqlalchemy_pgtask.worker._stuck import STUCK_FRACTION
 
 __all__ = ["WATCHDOG_FRACTION", "LeaseKeeper"]
 
@@ -122,6 +123,12 @@ class LeaseKeeper:
             await asyncio.sleep(tick)
             now = time.monotonic()
             for attempt in self._book.running():
+                if (
+                    attempt.ctx.stop_reason is not None
+                    and not attempt.definition.is_async
+                    and now - attempt.lease_sent_at >= self._lease * STUCK_FRACTION
+                ):
+                    self._executor.stuck.report(attempt)  # once per attempt
                 if attempt.ctx.stop_reason is None and now - attempt.lease_sent_at >= limit:
                     logger.warning(
                         "task %s attempt %d: lease not extended for %.2fs; stopping its "

@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from sqlalchemy_pgtask._connection import READY_CHANNEL, WAKE_ALL, listening_connection
+from sqlalchemy_pgtask.worker._deadlines import Liveness, severing
 from sqlalchemy_pgtask.worker._observer import NO_OBSERVER, Observer
 from sqlalchemy_pgtask.worker._reconnect import Backoff, brief, is_transient
 
@@ -34,7 +35,13 @@ class Listener:
         wake_all: Callable[[], None],
         connect_timeout: float,
         lock: tuple[int, int] | None = None,
+        deadline: float = 10.0,
+        liveness: Liveness | None = None,
     ) -> None:
+        #: A listener that heard nothing for this long makes a round trip, which must be
+        #: answered within as long again: a dead path is noticed within twice this.
+        self._deadline = deadline
+        self._liveness = liveness
         self._engine = engine
         self._lock = lock
         self._queues = frozenset(queues)
@@ -56,11 +63,23 @@ class Listener:
                     self.listening.set()
                     self.observer.connected(self)
                     self._wake_all()  # whatever happened while we were deaf is due now
-                    async for payload in listener.payloads():
-                        if payload in self._queues:
-                            self._wake()
-                        elif payload == WAKE_ALL:
-                            self._wake_all()
+                    while True:
+                        async for payload in listener.payloads(timeout=self._deadline):
+                            if payload in self._queues:
+                                self._wake()
+                            elif payload == WAKE_ALL:
+                                self._wake_all()
+                        with severing(listener.driver, self._deadline) as fired:
+                            try:
+                                await listener.ping()
+                            except Exception as exc:
+                                if fired[0]:
+                                    raise TimeoutError(
+                                        f"no answer within {self._deadline:g} s"
+                                    ) from exc
+                                raise
+                        if self._liveness is not None:
+                            self._liveness.touch()
             except Exception as exc:
                 self.listening.clear()
                 if not is_transient(exc):

@@ -10,9 +10,10 @@ Attempts are counted by what was written, when it was written (the statement say
 new state): a success fenced out, or stored as cancelled by a request only the database knew,
 is not a success.
 
-`WorkerObserver` also answers the probes: ``/healthz`` (the process runs and none of the
-worker's loops has ended) and ``/readyz`` (registered, listening, reaching the database, and
-not draining).
+`WorkerObserver` also answers the probes: ``/healthz`` (the process runs, none of the
+worker's loops has ended, and it completed a round trip to PostgreSQL within
+``health_timeout``) and ``/readyz`` (registered, listening, reaching the database, its last
+claim succeeded, and not draining).
 """
 
 from __future__ import annotations
@@ -242,6 +243,9 @@ class WorkerObserver(Observer):
         ended = sorted(name for name, loop in worker._loops.items() if loop.done())
         if ended:
             return False, f"loop ended: {', '.join(ended)}"
+        silent, limit = worker.liveness.silent_for(), worker.options.health_timeout_seconds
+        if silent > limit:
+            return False, f"no round trip to PostgreSQL for {silent:.1f} s (limit {limit:g} s)"
         return True, "ok" if worker._ready.is_set() else "starting"
 
     def readiness(self) -> tuple[bool, str]:
@@ -258,6 +262,8 @@ class WorkerObserver(Observer):
             return False, "not listening (reconnecting)"
         if self.database_reachable is False:
             return False, "database unreachable"
+        if worker._producer.failing:
+            return False, "cannot claim (the last claim failed; retrying)"
         return True, "ready"
 
     def _probe(self, ready: bool) -> Response:

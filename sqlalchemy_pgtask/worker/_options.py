@@ -9,6 +9,7 @@ from typing import Final, Literal, get_args
 
 from sqlalchemy_pgtask.errors import InvalidOptionError
 from sqlalchemy_pgtask.validation import check_queue_name
+from sqlalchemy_pgtask.worker._stuck import ON_STUCK_HANDLER, OnStuckHandler
 
 __all__ = ["EVENT_LOOPS", "MAX_DURATION_SECONDS", "EventLoop", "WorkerOptions"]
 
@@ -131,6 +132,16 @@ class WorkerOptions:
     metrics_host: str = "127.0.0.1"
     #: Seconds between samples of the queues' backlog (one statement each time).
     metrics_interval: float = 10.0
+    #: ``/healthz`` answers 503 once the worker has completed no round trip to PostgreSQL
+    #: for longer than this. None: the lease duration (at least twice the deadline of the
+    #: worker's hot statements, `health_timeout_seconds`): a worker that cannot reach the
+    #: database for a lease can renew none of its leases.
+    health_timeout: float | None = None
+    #: What to do about a ``def`` handler still running, after its stop request, when its
+    #: lease can expire (Python cannot interrupt it): ``"warn"`` logs it and serves on (a
+    #: second run may overlap it); ``"exit"`` ends the process with status 75 so that none
+    #: does (see ``docs/worker.md``, "Stuck handlers").
+    on_stuck_handler: OnStuckHandler = "warn"
 
     def __post_init__(self) -> None:
         _count("concurrency", self.concurrency, 10_000)
@@ -162,6 +173,12 @@ class WorkerOptions:
         _duration("retention_interval", self.retention_interval, low=0.01)
         _count("retention_batch_size", self.retention_batch_size, 100_000)
         _check_metrics(self.metrics_port, self.metrics_host, self.metrics_interval)
+        if self.on_stuck_handler not in ON_STUCK_HANDLER:
+            raise InvalidOptionError(
+                "on_stuck_handler", f"must be 'warn' or 'exit', got {self.on_stuck_handler!r}"
+            )
+        if self.health_timeout is not None:
+            _duration("health_timeout", self.health_timeout, low=0.1)
         if self.queues is not None:
             if isinstance(self.queues, str) or not isinstance(self.queues, tuple):
                 raise InvalidOptionError("queues", "must be a tuple of queue names")
@@ -171,6 +188,19 @@ class WorkerOptions:
                 check_queue_name(q, "queues")
             if len(set(self.queues)) != len(self.queues):
                 raise InvalidOptionError("queues", "must not repeat a queue")
+
+    @property
+    def health_timeout_seconds(self) -> float:
+        """`health_timeout`, or its default: the lease, at least twice the hot statements'
+        deadline (the idle listener's round trips come that often)."""
+        if self.on_stuck_handler not in ON_STUCK_HANDLER:
+            raise InvalidOptionError(
+                "on_stuck_handler", f"must be 'warn' or 'exit', got {self.on_stuck_handler!r}"
+            )
+        if self.health_timeout is not None:
+            return self.health_timeout
+        quick = min(max(self.lease_duration / 3, 2.0), self.statement_timeout + 5.0)
+        return max(self.lease_duration, 2 * quick)
 
     @property
     def effective_lock_timeout(self) -> float:

@@ -80,6 +80,8 @@ class Producer:
         self._governed = False
         self._governed_checked = float("-inf")
         self._prefetch = Prefetch(prefetch, lease_seconds)
+        #: The last claim failed (``/readyz`` says so until one succeeds).
+        self.failing = False
         #: The claim returns rows by priority; with several queues, earlier queues go first.
         self._rank = {queue: i for i, queue in enumerate(capabilities["queues"])}
         book.on_settle = self._prefetch.finished
@@ -103,9 +105,11 @@ class Producer:
             try:
                 full, seconds = await self._pass(limit, free)
                 backoff.reset()
+                self.failing = False
             except Exception as exc:
                 if not is_transient(exc):
                     raise
+                self.failing = True
                 delay = backoff.next()
                 logger.warning("claim failed (%s); retrying in %.2fs", brief(exc), delay)
                 await first(self._stopping.wait(), timeout=delay)

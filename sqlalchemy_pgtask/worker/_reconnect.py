@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import os
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Final
@@ -23,9 +24,11 @@ from sqlalchemy import URL, Engine, func, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 # Re-exported: the worker's loops import them from here.
+from sqlalchemy_pgtask._asyncio import bounded
 from sqlalchemy_pgtask._failures import Backoff, brief, is_transient
 from sqlalchemy_pgtask._url import database_url
 from sqlalchemy_pgtask.errors import InvalidOptionError
+from sqlalchemy_pgtask.worker._deadlines import Liveness, long_deadline, sever, severing
 from sqlalchemy_pgtask.worker._observer import NO_OBSERVER, Observer
 
 __all__ = [
@@ -123,6 +126,10 @@ def owned_engine(url: object) -> AsyncEngine:
     )
 
 
+async def _discard(connection: AsyncConnection) -> None:
+    await connection.close()
+
+
 def _milliseconds(seconds: float) -> str:
     return f"{max(1, round(seconds * 1000))}ms"
 
@@ -144,8 +151,16 @@ class HeldConnection:
         statement_timeout: float,
         planner: Sequence[tuple[str, str]] = PLANNER_SETTINGS,
         lock: tuple[int, int] | None = None,
+        deadline: float | None = None,
+        liveness: Liveness | None = None,
     ) -> None:
         self._engine = engine
+        #: The longest one `use` may take, connecting included (`worker._deadlines`).
+        self.deadline = long_deadline(statement_timeout) if deadline is None else deadline
+        self._liveness = liveness
+        #: Set while no `use` is in progress.
+        self._idle = asyncio.Event()
+        self._idle.set()
         #: An advisory lock every physical connection holds (shared) while it is open: the
         #: worker's sign of life (`statements.rescue`).
         self._lock = lock
@@ -163,38 +178,85 @@ class HeldConnection:
         self.observer: Observer = NO_OBSERVER
 
     @contextlib.asynccontextmanager
-    async def use(self) -> AsyncIterator[AsyncConnection]:
-        async with self._turn, self._use() as connection:
-            yield connection
+    async def use(self, deadline: float | None = None) -> AsyncIterator[AsyncConnection]:
+        """The connection, for statements that must be over within ``deadline`` seconds
+        (default: `deadline`); past it, the connection is severed and the body fails with
+        `TimeoutError` (transient)."""
+        async with self._turn, self._use(self.deadline if deadline is None else deadline) as c:
+            yield c
 
     @contextlib.asynccontextmanager
-    async def _use(self) -> AsyncIterator[AsyncConnection]:
-        if self._connection is None:
-            connection = await self._engine.connect()
-            try:
+    async def _use(self, seconds: float) -> AsyncIterator[AsyncConnection]:
+        self._idle.clear()
+        try:
+            until = time.monotonic() + seconds
+            if self._connection is None:
+                await self._open(seconds)
+            assert self._connection is not None
+            connection = self._connection
+            with severing(connection, until - time.monotonic()) as fired:
+                try:
+                    yield connection
+                except BaseException as exc:
+                    # Its state is unknown (broken, or mid-statement when cancelled): start
+                    # afresh.
+                    await self.close(reset=False)
+                    if fired[0] and isinstance(exc, Exception):
+                        raise TimeoutError(
+                            f"no answer from PostgreSQL within {seconds:g} s; connection severed"
+                        ) from exc
+                    answered = getattr(getattr(exc, "orig", None), "sqlstate", None)
+                    if self._liveness is not None and answered:  # the server answered
+                        self._liveness.touch()
+                    raise
+            if fired[0]:  # finished as the deadline fired: the connection is gone
+                await self.close(reset=False)
+            elif self._liveness is not None:
+                self._liveness.touch()
+        finally:
+            self._idle.set()
+
+    async def _open(self, seconds: float) -> None:
+        connection = await bounded(self._engine.connect(), seconds, discard=_discard)
+        self._connection = connection  # so that `sever` finds it during the setup too
+        try:
+            with severing(connection, seconds):
                 await connection.execute(
                     select(*(func.set_config(name, value, False) for name, value in self._settings))
                 )
                 if self._lock is not None:
                     await connection.execute(select(func.pg_advisory_lock_shared(*self._lock)))
-            except BaseException:
-                await connection.invalidate()
-                await connection.close()
-                raise
-            self._connection = connection
-            self.observer.connected(self)
-        try:
-            yield self._connection
         except BaseException:
-            # Its state is unknown (broken, or mid-statement when cancelled): start afresh.
-            await self.close(reset=False)
+            self._connection = None
+            with contextlib.suppress(Exception):
+                await connection.invalidate()
+            with contextlib.suppress(Exception):
+                await connection.close()
             raise
+        self.observer.connected(self)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a `use` is in progress."""
+        return not self._idle.is_set()
+
+    def sever(self) -> bool:
+        """Sever the connection if a statement may be in flight on it (see
+        `worker._deadlines`): whatever waits on it fails at once, without the driver's
+        cancel request over a network that may be dead. Whether there was one to sever."""
+        return self.busy and self._connection is not None and sever(self._connection)
+
+    async def settled(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until no `use` is in progress; whether none is."""
+        with contextlib.suppress(TimeoutError):
+            await bounded(self._idle.wait(), timeout)
+        return not self.busy
 
     async def close(self, *, reset: bool = True) -> None:
         connection, self._connection = self._connection, None
         if connection is None:
             return
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception), severing(connection, self.deadline):
             if reset:
                 if self._lock is not None:
                     await connection.execute(select(func.pg_advisory_unlock_shared(*self._lock)))

@@ -21,7 +21,6 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from sqlalchemy_pgtask import statements
-from sqlalchemy_pgtask._asyncio import bounded
 from sqlalchemy_pgtask.errors import PolicyConflict
 from sqlalchemy_pgtask.registry import Registry
 from sqlalchemy_pgtask.retry import RetryPolicy
@@ -139,9 +138,6 @@ class Registration:
     async def retire(self, timeout: float) -> None:
         """Mark the worker gone at once, so operators and routing see it leave."""
 
-        async def retire_now() -> None:
-            async with self._connection.use() as conn:
+        with contextlib.suppress(Exception):  # severed at the deadline, never cancelled
+            async with self._connection.use(deadline=timeout) as conn:
                 await conn.execute(statements.RETIRE_WORKER, {"worker_id": self._worker_id})
-
-        with contextlib.suppress(Exception):
-            await bounded(retire_now(), timeout)

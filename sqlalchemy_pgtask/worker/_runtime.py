@@ -32,7 +32,9 @@ from sqlalchemy_pgtask.registry import Registry
 from sqlalchemy_pgtask.statements import Capability
 from sqlalchemy_pgtask.statements.rescue import LOCK_NAMESPACE
 from sqlalchemy_pgtask.worker._attempts import AttemptBook
+from sqlalchemy_pgtask.worker._closing import close_within, stop_in_flight
 from sqlalchemy_pgtask.worker._completer import Completer
+from sqlalchemy_pgtask.worker._deadlines import Liveness, abandon_after, quick_deadline
 from sqlalchemy_pgtask.worker._durable_calls import DurableCalls
 from sqlalchemy_pgtask.worker._executor import Executor
 from sqlalchemy_pgtask.worker._leases import LeaseKeeper
@@ -114,15 +116,18 @@ class Worker:
         lock_key = secrets.randbelow(2**31 - 1) + 1 if options.instant_rescue else None
         lock = None if lock_key is None else (LOCK_NAMESPACE, lock_key)
 
-        def held() -> HeldConnection:
+        self.liveness = Liveness()  # the last round trip to PostgreSQL, for /healthz
+        quick = quick_deadline(lease, options.statement_timeout)
+
+        def held(deadline: float | None = quick) -> HeldConnection:  # None: a long one
             return HeldConnection(
-                auto,
-                lock_timeout=options.effective_lock_timeout,
-                statement_timeout=options.statement_timeout,
-                lock=lock,
+                auto, lock_timeout=options.effective_lock_timeout, lock=lock,
+                statement_timeout=options.statement_timeout, deadline=deadline,
+                liveness=self.liveness,
             )
 
-        self._connections = {name: held() for name in ("claim", "write", "control", "maintenance")}
+        self._connections = {"claim": held(), "write": held(None), "control": held(),
+                             "maintenance": held(None)}
         capabilities = [
             Capability(d.queue, d.name, d.version, d.retry, d.max_attempts, d.timeout)
             for d in served
@@ -147,7 +152,7 @@ class Worker:
         )
         self._executor = Executor(
             registry=registry, book=self._book, sink=self._completer, worker_id=self.id,
-            lease_seconds=lease, durable=self._durable,
+            lease_seconds=lease, durable=self._durable, on_stuck=options.on_stuck_handler,
         )
         self._leases = LeaseKeeper(
             connection=self._connections["control"], book=self._book, executor=self._executor,
@@ -172,7 +177,7 @@ class Worker:
         )
         self._listener = Listener(
             self._engine, self.queues, wake=self._wake.set, wake_all=self._wake_all,
-            connect_timeout=max(lease, 10.0), lock=lock,
+            connect_timeout=quick, lock=lock, deadline=quick, liveness=self.liveness,
         )
         self._loops: dict[str, asyncio.Task[None]] = {}
         self._crashed: tuple[str, BaseException] | None = None
@@ -180,6 +185,7 @@ class Worker:
         self._closing = False
         self._crash = asyncio.Event()
         self._stopped = Stopped()
+        self._exit_by = 0.0  # monotonic; set by the stop
         self._observer = observe(self)  # traces and metrics; does nothing if neither is on
 
     # -- public control ------------------------------------------------------------------
@@ -300,8 +306,7 @@ class Worker:
 
         task.add_done_callback(ended)
 
-    def _wake_all(self) -> None:
-        """Claim and run the maintenance services now (a reconnect, or the clock moved)."""
+    def _wake_all(self) -> None:  # claim and run maintenance now (a reconnect, a clock move)
         self._wake.set()
         self._maintenance.wake()
 
@@ -314,23 +319,22 @@ class Worker:
         self._wake.set()
         self._registration.draining = True
         logger.info("worker %s: stopping; no new claims", self.id)
+        # Whatever the network does, the process ends by the grace and a few seconds more.
+        deadline = time.monotonic() + self.options.shutdown_grace
+        self._exit_by = deadline + 4.0
+        step = min(_STEP_TIMEOUT, max(1.0, self.options.shutdown_grace / 4))
         producer = self._loops.get("producer")
         if producer is not None and not producer.done():
             if not self._immediate.is_set():
-                await first(asyncio.shield(producer), timeout=_STEP_TIMEOUT)
-            if not producer.done():
-                producer.cancel()  # a claim in flight; its outcome is swept below
-                await asyncio.gather(producer, return_exceptions=True)
+                await first(asyncio.shield(producer), timeout=step)
+            await stop_in_flight([self._connections["claim"]], [producer], step)  # swept below
         self._producer.hand_back_waiting()  # now, not after the grace: waiting leases lapse
         if "heartbeat" in self._loops and not self._immediate.is_set():
             with contextlib.suppress(Exception):  # visible as draining at once, not at the end
-                await bounded(self._registration.heartbeat(), _STEP_TIMEOUT)
-        deadline = time.monotonic() + self.options.shutdown_grace
+                await abandon_after(self._registration.heartbeat(), step)
         if self._book.running() and not self._immediate.is_set():
-            logger.info(
-                "worker %s: waiting up to %.1fs for %d running handler(s)",
-                self.id, self.options.shutdown_grace, len(self._book.running()),
-            )
+            logger.info("worker %s: waiting up to %.1fs for %d running handler(s)", self.id,
+                        self.options.shutdown_grace, len(self._book.running()))
         while self._book.running() and not self._immediate.is_set():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -345,12 +349,9 @@ class Worker:
         await self._flush_outcomes()
         if self._crashed is None or self._crashed[0] != "producer":
             with contextlib.suppress(Exception):
-                await bounded(self._producer.hand_back_unknown(), _STEP_TIMEOUT)
+                left = self._exit_by - time.monotonic() - 2.0
+                await abandon_after(self._producer.hand_back_unknown(), min(_STEP_TIMEOUT, left))
         logger.info("worker %s: stopped", self.id)
-
-    def _loop_ended(self, name: str) -> bool:
-        loop = self._loops.get(name)
-        return loop is None or loop.done()
 
     async def _flush_outcomes(self) -> None:
         """Wait for the completer to write what is queued, while leases are still renewed.
@@ -361,7 +362,9 @@ class Worker:
         """
         await asyncio.sleep(0)  # let stopped handlers settle
         deadline = time.monotonic() + self.options.lease_duration
-        while self._book.active and not self._loop_ended("completer"):
+        deadline = min(deadline, self._exit_by - 2.5) if self._exit_by else deadline
+        completer = self._loops.get("completer")
+        while self._book.active and completer is not None and not completer.done():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 logger.warning(
@@ -377,23 +380,18 @@ class Worker:
 
     async def _close(self) -> None:
         self._closing = True
-        await self._observer.stop()
-        loops = list(self._loops.values())
+        await abandon_after(self._observer.stop(), _STEP_TIMEOUT / 2)
+        exit_by = self._exit_by or time.monotonic() + _STEP_TIMEOUT
         handles = self._executor.handles()
         for attempt in self._book.running():
             self._executor.stop(attempt, "shutdown", force=True)
-        for task in loops:
-            task.cancel()
-        await asyncio.gather(*loops, return_exceptions=True)
+        held = [*self._connections.values(), *self._durable.connections]
+        left = exit_by - time.monotonic()
+        await stop_in_flight(held, list(self._loops.values()), min(_STEP_TIMEOUT, left / 3))
         if handles:  # an async handler may ignore its cancellation: do not wait forever
-            await asyncio.wait(handles, timeout=_STEP_TIMEOUT)
-        await self._registration.retire(_STEP_TIMEOUT)
-        for connection in self._connections.values():
-            with contextlib.suppress(Exception):  # a silent network must not hang the exit
-                await bounded(connection.close(), _STEP_TIMEOUT)
-        with contextlib.suppress(Exception):
-            await bounded(self._durable.close(), _STEP_TIMEOUT)
+            await asyncio.wait(handles, timeout=max(0.01, min(_STEP_TIMEOUT, left / 3)))
+        await close_within(
+            exit_by, retire=self._registration.retire, connections=held,
+            durable=self._durable.engines.close, engine=self._engine if self._owns_engine else None,
+        )
         self._executor.close()
-        if self._owns_engine:
-            with contextlib.suppress(Exception):
-                await bounded(self._engine.dispose(), _STEP_TIMEOUT)
