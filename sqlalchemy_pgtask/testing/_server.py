@@ -25,7 +25,7 @@ from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, text
 
-from sqlalchemy_pgtask._url import database_url, parse
+from sqlalchemy_pgtask._url import parse
 from sqlalchemy_pgtask.errors import InvalidOptionError, ServerNotFound
 from sqlalchemy_pgtask.testing._binaries import find_embedded, find_local
 from sqlalchemy_pgtask.testing._cluster import (
@@ -135,7 +135,14 @@ def _url_server(url_env: str) -> ServerInfo:
         raise Unavailable(f"{url_env} is not set")
     # The package talks to PostgreSQL through psycopg 3 only, whatever driver the URL named;
     # libpq's multi-host form (h1:5432,h2:5432) is accepted as everywhere else.
-    url = database_url(raw, url_env)
+    try:
+        url = parse(raw)
+    except ValueError as exc:
+        raise InvalidOptionError(url_env, f"not a database URL ({exc})") from None
+    dialect = url.drivername.split("+", 1)[0]
+    if dialect not in ("postgresql", "postgres"):
+        raise InvalidOptionError(url_env, f"not a PostgreSQL URL (dialect {dialect!r})")
+    url = url.set(drivername="postgresql+psycopg")
     return ServerInfo(
         url=url.render_as_string(hide_password=False),
         backend="url",

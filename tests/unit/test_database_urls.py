@@ -118,3 +118,11 @@ def test_the_command_line_takes_a_failover_url_and_refuses_a_bad_one() -> None:
     assert connect_arguments(url)["host"] == "h1,h2"
     with pytest.raises(UsageError, match="invalid database URL 'postgresql://u:\\*\\*\\*@"):
         cli_database_url(argparse.Namespace(database_url="postgresql://u:pw@h1:x,h2/db"))
+
+
+def test_the_test_fixtures_take_a_failover_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sqlalchemy_pgtask.testing._server import _url_server
+
+    monkeypatch.setenv("PGTASK_TEST_DATABASE_URL", FAILOVER)
+    info = _url_server("PGTASK_TEST_DATABASE_URL")
+    assert connect_arguments(info.url)["host"] == "h1,h2"
