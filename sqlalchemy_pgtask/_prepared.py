@@ -67,7 +67,15 @@ def unprepared(connection: Connection) -> Iterator[None]:
     pooled = _POOLED.get(driver)
     if pooled is None:
         try:
-            pid = driver.execute(_BACKEND_PID, prepare=False).fetchone()[0]
+            # Through the DBAPI cursor: under an AsyncConnection's greenlet bridge (run_sync)
+            # the driver is psycopg's AsyncConnection, which this cursor awaits for us.
+            dbapi: Any = connection.connection.dbapi_connection
+            cursor = dbapi.cursor()
+            try:
+                cursor.execute(_BACKEND_PID)
+                pid = cursor.fetchone()[0]
+            finally:
+                cursor.close()
         except psycopg.Error:
             pooled = True  # unknown; the statement itself then fails through SQLAlchemy
         else:
