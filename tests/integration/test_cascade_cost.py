@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import Connection, Engine, text
 
-from sqlalchemy_pgtask import cancel
+from sqlalchemy_pgtask import cancel, retry
 from sqlalchemy_pgtask.testing import DatabaseClock
 from tests.support import durable as d
 from tests.support.trees import add_chain, add_tree, states_below
@@ -107,3 +107,18 @@ def test_a_cascade_still_reaches_below_a_running_task_asked_to_stop(auto: Connec
     assert {d.task_of(auto, task)["error"]["ancestor_id"] for task in below} == {
         str(parent.task_id)
     }
+
+
+def test_a_cascade_reaches_a_retried_task_below_a_finished_one(auto: Connection) -> None:
+    """``retry()`` makes a task below a finished one outstanding again: cancelling an ancestor
+    above the finished one must still reach it (the walk goes through finished tasks)."""
+    root = d.add_task(auto, "root")
+    middle, leaf = add_chain(auto, root, 2)
+    assert cancel(auto, middle) == "cancelled"  # and, by the cascade, the leaf below it
+    assert d.task_of(auto, leaf)["state"] == "cancelled"
+    retry(auto, leaf)
+    assert d.task_of(auto, leaf)["state"] == "pending"
+    with _budget(auto):
+        assert cancel(auto, root) == "cancelled"
+    assert d.task_of(auto, leaf)["state"] == "cancelled"
+    assert d.task_of(auto, leaf)["error"]["ancestor_id"] == str(root)

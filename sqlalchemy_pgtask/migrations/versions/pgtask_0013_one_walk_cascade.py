@@ -13,11 +13,11 @@ of 2,000 could not record its outcome under ``statement_timeout = 3s``.
 * The function is replaced, with the same trigger, locks and results. It walks the subtree
   level by level, one probe of ``ix_tasks_parent`` per task (a join or a state condition in
   the walk could be planned, and the plan cached for the session, as a scan of every task or
-  every outstanding one per level), never into a finished task (everything below one was
-  cancelled when it ended, or is running and was asked to stop), then cancels what it found
-  with one update. The firings that update causes (each
-  descendant it cancels) find no unfinished child and end after one index probe: the
-  cascade is one walk of the subtree, plus a constant per cancelled descendant.
+  every outstanding one per level), through finished tasks too (``retry()`` makes a task
+  below a finished one outstanding again), then cancels what it found with one update. The
+  firings that update causes (each descendant it cancels, marked ``ancestor_finished``) end
+  at once, since the walk that cancelled them took their subtrees: the cascade is one walk
+  of the subtree, plus a constant per cancelled descendant.
 * A cancelled descendant's times are ``greatest(now, updated_at)``, as ``cancel()``'s: they
   never go back before the task's last change.
 
@@ -41,14 +41,20 @@ DECLARE
     doomed uuid[] := '{}';
     stamp timestamptz;
 BEGIN
+    -- Fired again by each descendant the update below cancels, or by each task of a subtree
+    -- a wait timeout cancels (statements.waits): the walk that cancelled it already took
+    -- everything below it, so it ends here without a probe.
+    IF NEW.error ->> 'reason' = 'result_wait_timeout'
+       OR (pg_trigger_depth() > 1 AND NEW.error ->> 'reason' = 'ancestor_finished') THEN
+        RETURN NULL;
+    END IF;
     -- Level by level, one probe of ix_tasks_parent per task: a lateral subquery the planner
     -- cannot flatten (OFFSET 0), by parent_id alone. A join, or a state condition, could be
     -- planned (and the plan cached for the session) as a scan of every task or every
-    -- outstanding one per level: n^2 on a chain. Never into a finished task: everything
-    -- below one was cancelled when it ended.
+    -- outstanding one per level: n^2 on a chain. Through finished tasks too: retry() makes
+    -- a task below a finished one outstanding again, and it must still be reached.
     LOOP
-        SELECT coalesce(array_agg(c.id) FILTER (WHERE c.state IN ('pending', 'running', 'waiting')),
-                        '{}')
+        SELECT coalesce(array_agg(c.id), '{}')
         INTO level
         FROM unnest(level) AS p(id)
         CROSS JOIN LATERAL (
@@ -61,8 +67,6 @@ BEGIN
             doomed := doomed || level;
         END IF;
     END LOOP;
-    -- Fired again by each descendant the update below cancels: all below that one is
-    -- finished or asked to stop by then, so its first level is empty and it ends here.
     IF cardinality(doomed) = 0 THEN
         RETURN NULL;
     END IF;
