@@ -18,7 +18,7 @@ import uuid
 from typing import Any
 
 import pytest
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine, event, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from sqlalchemy_pgtask import Registry, RetryPolicy, TaskContext, WorkerOptions, configure_queue
@@ -118,7 +118,8 @@ def test_a_task_row_held_by_another_transaction_holds_up_no_other_deletion(
                    id=target)
     try:
         runner = _retention_in_the_background(pgtask_engine)
-        expected_left = {target} | ({root} if held == "family sibling" else set())
+        # A family goes whole: one member held keeps every member for a later run.
+        expected_left = {target} if held == "expired task" else {root, *leaves}
         wait_until(lambda: _left(pgtask_engine) == expected_left, PATIENCE,
                    message="every other expired task deleted while the lock is held")
         runner.join(PATIENCE)
@@ -243,3 +244,42 @@ async def test_a_retried_workflow_finds_its_short_lived_child_after_retention(
     assert (row["state"], row["error"], row["result"]) == (
         "succeeded", None, ["brief", "lasting"])
     assert len(_left(pgtask_engine)) == 3
+
+
+# -- a deep chain goes whole, in one walk ----------------------------------------------------
+
+
+def chain(conn: Connection, depth: int, *, age: float) -> uuid.UUID:
+    """Insert a chain of ``depth`` terminal tasks (each the parent of the next), finished
+    ``age`` seconds ago; returns the root."""
+    return uuid.UUID(str(conn.execute(text(
+        "WITH RECURSIVE ids(n, id, parent_id) AS ("
+        "  SELECT 1, gen_random_uuid(), NULL::uuid"
+        "  UNION ALL SELECT n + 1, gen_random_uuid(), id FROM ids WHERE n < :depth),"
+        " ins AS (INSERT INTO pgtask.tasks (id, queue, name, payload, state, attempt,"
+        "  max_attempts, completed_at, parent_id, has_children)"
+        "  SELECT id, 'default', 'job', 'null', 'succeeded', 1, 1,"
+        "   pgtask.now() - make_interval(secs => :age), parent_id, n < :depth FROM ids)"
+        " SELECT id FROM ids WHERE n = 1"), {"depth": depth, "age": age}).scalar_one()))
+
+
+def test_a_deep_expired_chain_goes_in_one_batch(pgtask_engine: Engine) -> None:
+    # Only a leaf could go, one per batch, each batch walking the chain left: quadratic (a
+    # 2,000-deep chain took 2,002 batches). Now the family goes whole in one DELETE.
+    with pgtask_engine.begin() as conn:
+        chain(conn, 3000, age=30 * DAY)
+        finished(conn, 5, age=30 * DAY)  # and five families of one
+    deletes: list[str] = []
+
+    def count_deletes(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "DELETE FROM pgtask.tasks WHERE" in statement:
+            deletes.append(statement)
+
+    event.listen(pgtask_engine, "before_cursor_execute", count_deletes)
+    try:
+        result = run_retention(pgtask_engine, batch_size=1000)
+    finally:
+        event.remove(pgtask_engine, "before_cursor_execute", count_deletes)
+    assert (result.tasks_deleted, tasks_left(pgtask_engine)) == (3005, 0)
+    # The batch with the chain (3,005 rows: never split), then one that finds none left.
+    assert len(deletes) == 2
