@@ -76,9 +76,13 @@ _HELD: Final = frozenset({"55P03", "57014", "40P01", "40001"})
 #: A ``lock_timeout`` for a run whose connection has none (0: wait for ever): a batch held
 #: up by a row another transaction holds fails after this, and its tasks go one at a time.
 _RUN_LOCK_TIMEOUT: Final = "5s"
+#: And without JIT, as on a worker's connections: the family walks' row estimates put a batch
+#: above ``jit_optimize_above_cost``, and compiling it cost about a second per batch (measured
+#: with ``benchmarks/retention_chain.py``) for a statement that runs in milliseconds.
 _BOUNDED: Final = text(
-    "SELECT set_config('lock_timeout', :timeout, true)"
-    " WHERE current_setting('lock_timeout') IN ('0', '0ms', '0s')"
+    "SELECT set_config('jit', 'off', true),"
+    " CASE WHEN current_setting('lock_timeout') IN ('0', '0ms', '0s')"
+    " THEN set_config('lock_timeout', :timeout, true) END"
 ).bindparams(timeout=_RUN_LOCK_TIMEOUT)
 
 
