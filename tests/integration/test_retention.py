@@ -1,5 +1,5 @@
 """Retention: finished history and idempotency reservations go per queue, in bounded batches,
-children before parents; an unexpired key is never released; claims are never held up.
+a workflow family whole; an unexpired key is never released; claims are never held up.
 
 Old history is made by inserting terminal rows directly (``completed_at`` in the database's
 past) or by moving the database clock (``pgtask_clock``), never by waiting.

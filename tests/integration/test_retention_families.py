@@ -1,4 +1,4 @@
-"""Retention keeps a family until it can go as a whole, then deletes it leaves first.
+"""Retention keeps a family until it can go as a whole, then deletes it whole, in one statement.
 
 A family is a root and all its descendants. While any member is unfinished or within its own
 queue's terminal retention, every member stays: a kept failed or cancelled member can be
@@ -71,6 +71,20 @@ def test_a_grandchild_stays_while_its_root_is_kept(pgtask_engine: Engine) -> Non
         (leaf,) = finished(conn, age=DAY, queue="short", parent=middle)
     assert run_retention(pgtask_engine).tasks_deleted == 0
     assert _left(pgtask_engine) == {root, middle, leaf}
+
+
+def test_a_run_for_one_queue_deletes_only_the_families_wholly_in_it(pgtask_engine: Engine) -> None:
+    with pgtask_engine.begin() as conn:
+        (mixed,) = finished(conn, age=30 * DAY, queue="a")
+        (elsewhere,) = finished(conn, age=30 * DAY, queue="b", parent=mixed)
+        (own,) = finished(conn, age=30 * DAY, queue="a")
+        (own_child,) = finished(conn, age=30 * DAY, queue="a", parent=own)
+    # A family is never split: the one with a member in queue b waits for an unscoped run.
+    assert run_retention(pgtask_engine, queue="a").tasks_deleted == 2
+    assert _left(pgtask_engine) == {mixed, elsewhere}
+    assert run_retention(pgtask_engine, queue="b").tasks_deleted == 0  # b holds no root
+    assert run_retention(pgtask_engine).tasks_deleted == 2
+    assert own_child not in _left(pgtask_engine)
 
 
 def test_an_unfinished_member_keeps_its_whole_family(pgtask_engine: Engine) -> None:
