@@ -8,8 +8,8 @@ deletes what is older, in bounded batches:
 
 * **finished tasks** (succeeded, failed, cancelled) whose ``completed_at`` is older than the
   queue's terminal retention, oldest first, a task only once its whole family (root and all
-  descendants) is finished and past its retention, and none of its children is left: a
-  family goes as a whole, leaves first, a parent in a later batch than its children;
+  descendants) is finished and past its retention: a family goes as a whole, in one
+  statement, never split by the batch size;
 * **idempotency reservations** that expired: a reservation lives until its task finished
   more than the queue's idempotency retention ago, whether or not the task row still
   exists. An unexpired reservation is never deleted, whatever happens to its task;
@@ -76,9 +76,13 @@ _HELD: Final = frozenset({"55P03", "57014", "40P01", "40001"})
 #: A ``lock_timeout`` for a run whose connection has none (0: wait for ever): a batch held
 #: up by a row another transaction holds fails after this, and its tasks go one at a time.
 _RUN_LOCK_TIMEOUT: Final = "5s"
+#: And without JIT, as on a worker's connections: the family walks' row estimates put a batch
+#: above ``jit_optimize_above_cost``, and compiling it cost about a second per batch (measured
+#: with ``benchmarks/retention_chain.py``) for a statement that runs in milliseconds.
 _BOUNDED: Final = text(
-    "SELECT set_config('lock_timeout', :timeout, true)"
-    " WHERE current_setting('lock_timeout') IN ('0', '0ms', '0s')"
+    "SELECT set_config('jit', 'off', true),"
+    " CASE WHEN current_setting('lock_timeout') IN ('0', '0ms', '0s')"
+    " THEN set_config('lock_timeout', :timeout, true) END"
 ).bindparams(timeout=_RUN_LOCK_TIMEOUT)
 
 
@@ -181,25 +185,27 @@ class RetentionSweep:
             done += 1
             self.batches += 1
             self.tasks_deleted += len(rows)
-            # A deleted child may have freed its parent, deletable in the next batch.
-            freed_parents = any(row.parent_id is not None for row in rows)
-            if len(rows) < self._batch and not freed_parents:
+            # Families go whole: a batch short of its size found no more (for now).
+            if len(rows) < self._batch:
                 return
 
     def _one_at_a_time(self, params: dict[str, Any]) -> Generator[Step, Sequence[Row[Any]], None]:
-        """The failed batch's tasks, each alone; one that fails alone is set aside."""
+        """The failed batch's families, each alone; one that fails alone is set aside."""
         candidates = yield (retention_statements.FINISHED_TASK_CANDIDATES, params)
         for (task_id,) in candidates:
             try:
-                rows = yield (retention_statements.DELETE_FINISHED_TASK, {"task_id": task_id})
+                rows = yield (
+                    retention_statements.DELETE_FINISHED_TASK,
+                    {"task_id": task_id, "queue": self._queue},
+                )
             except DBAPIError as exc:
                 if not is_held(exc):
                     raise
                 self.set_aside.add(task_id)
                 logger.warning(
-                    "retention passed over task %s: deleting it failed (%s), a row of it or"
-                    " of its history is held by another transaction; a later pass tries"
-                    " again", task_id, brief(exc),
+                    "retention passed over task %s: deleting it (with its family) failed (%s), a"
+                    " row of the family or of its history is held by another transaction; a"
+                    " later pass tries again", task_id, brief(exc),
                 )
                 continue
             self.tasks_deleted += len(rows)
@@ -293,8 +299,10 @@ def run_retention(
     short READ COMMITTED transaction of its own, on one connection of ``engine``, so a long
     run never holds locks or an old snapshot, and what it deleted stays deleted if it is
     interrupted. Each kind (finished tasks, expired reservations, reservations of tasks
-    finished long ago, worker rows) runs until a batch comes back short (or a deleted child
-    may have freed its parent), or ``max_batches`` batches of that kind ran.
+    finished long ago, worker rows) runs until a batch comes back short, or ``max_batches``
+    batches of that kind ran. A workflow family goes whole in one batch (a batch may exceed
+    ``batch_size`` by the last family's size less one); with ``queue``, only the families
+    whose members are all in that queue.
 
     ``queue`` limits tasks and reservations to that queue, and leaves worker rows alone;
     ``worker_retention`` is how long after it expired a worker row is kept (seconds).

@@ -77,7 +77,8 @@ def add_commands(commands: Any) -> None:
         help="delete what is past its queue's retention, in batches, until nothing is left",
         description=(
             "Delete finished tasks (with their attempts, steps, signals and waits) older than "
-            "their queue's terminal retention, children before parents; idempotency keys "
+            "their queue's terminal retention, a workflow's tasks all together once all "
+            "are; idempotency keys "
             "whose reservation expired (never one that has not); and rows of workers long "
             "gone. Each batch commits on its own and skips rows others hold, so it is safe "
             "to run while workers run (they run retention too)."
@@ -86,7 +87,8 @@ def add_commands(commands: Any) -> None:
     run.add_argument("--queue", metavar="QUEUE", help="only this queue's tasks and keys")
     run.add_argument(
         "--batch-size", type=int_between(1, BATCH_SIZE_MAX), default=1000, metavar="N",
-        help="rows per batch, each its own transaction (default: %(default)s)",
+        help="rows per batch, each its own transaction; a workflow's tasks are never split"
+        " across batches (default: %(default)s)",
     )
     run.add_argument(
         "--max-batches", type=int_between(1, 2**31 - 1), metavar="N",

@@ -2,8 +2,9 @@
 
 Three independent deletions, each a short statement that skips rows others hold:
 
-* `DELETE_FINISHED_TASKS`: terminal tasks older than their queue's terminal retention whose
-  whole family is too, childless ones only, so children always go before their parents;
+* `DELETE_FINISHED_TASKS`: workflow families (a root and all its descendants) whose every
+  member is a terminal task older than its queue's terminal retention, each whole in one
+  statement;
 * `DELETE_EXPIRED_KEYS`: idempotency reservations whose expiry was written down (their task
   was deleted) and has passed;
 * `DELETE_FINISHED_KEYS`: reservations whose task still exists but finished longer ago than
@@ -49,7 +50,13 @@ from sqlalchemy_pgtask.statements._common import (
     seconds,
     tasks,
 )
-from sqlalchemy_pgtask.statements._family import DEFAULT_TERMINAL_RETENTION_SECONDS, FREE_LEAF
+from sqlalchemy_pgtask.statements._family import (
+    DEFAULT_TERMINAL_RETENTION_SECONDS,
+    FREE_FAMILY,
+    families,
+    key_free,
+    returning_delete,
+)
 from sqlalchemy_pgtask.statements.enqueue import DEFAULT_IDEMPOTENCY_RETENTION_SECONDS
 from sqlalchemy_pgtask.states import TERMINAL_STATES
 
@@ -155,49 +162,22 @@ FINISHED_QUEUES: Final = _finished_queues_select()
 def _deletable(
     t: FromClause, retention: ColumnElement[Any]
 ) -> list[ColumnElement[bool] | TextClause]:
-    """``t`` may go: finished ``retention`` seconds ago, no child left, its family not kept."""
-    # A leaf only, and a family (a root and all its descendants) goes as a whole: any
-    # member kept keeps every member (`FREE_LEAF`).
-    return [_finished(t), t.c.completed_at <= NOW - seconds(retention), FREE_LEAF]
-
-
-def _key_free(expired: FromClause) -> ColumnElement[bool]:
-    # Deleting a keyed task writes its key's expiry down (tasks_idempotency_deleted): lock
-    # that reservation here, skipping the task while a producer holds it (taking the key
-    # over), so the trigger never waits for a producer nor a producer for this batch. Out
-    # here, after the LATERAL's LIMIT, only the chosen tasks' reservations are locked, never
-    # those of tasks kept for a child or a parent.
-    k = keys.alias("k")
-    reservation = select(k.c.key).where(
-        k.c.queue == expired.c.queue,
-        k.c.key == expired.c.idempotency_key,
-        k.c.task_id == expired.c.id,
-    )
-    return or_(
-        expired.c.idempotency_key.is_(None),
-        ~reservation.exists(),
-        reservation.with_for_update(key_share=True, skip_locked=True).exists(),
-    )
-
-
-def _returning_delete(doomed: Select[Any]) -> ReturningDelete[Any]:
-    # ANY(ARRAY(subquery)) probes the primary key once per row, whatever the plan.
-    return (
-        tasks.delete()
-        .where(tasks.c.id == func.any(func.array(doomed.scalar_subquery())))
-        .returning(tasks.c.id, tasks.c.queue, tasks.c.parent_id)
-    )
+    """``t`` may go with its family: a root, finished ``retention`` seconds ago, none kept."""
+    return [
+        _finished(t), t.c.completed_at <= NOW - seconds(retention), t.c.parent_id.is_(None),
+        FREE_FAMILY,
+    ]
 
 
 def _finished_tasks(*, lock: bool) -> Select[Any]:
-    """The batch's tasks (locked, keys free) or, without ``lock``, its candidates' ids."""
+    """The batch's tasks (locked, keys free) or, without ``lock``, its candidate roots."""
     policies = _policies()
     limit = bindparam("limit", type_=Integer)
     t = tasks.alias("t")
     # Tasks a pass set aside (their deletion failed alone): never in its later batches.
     skipped = t.c.id != func.all(bindparam("skip", [], type_=ARRAY(UUID_T)))
     expired = (
-        select(t.c.id, t.c.queue, t.c.idempotency_key)
+        select(t.c.id, t.c.queue, t.c.idempotency_key, t.c.completed_at)
         .where(
             t.c.queue == policies.c.queue, *_deletable(t, policies.c.terminal_retention),
             skipped,
@@ -208,13 +188,15 @@ def _finished_tasks(*, lock: bool) -> Select[Any]:
     if lock:
         expired = expired.with_for_update(of=t, skip_locked=True)
     lateral = expired.lateral("expired")
-    doomed = (
-        select(lateral.c.id)
+    roots = (
+        select(lateral.c.id, lateral.c.queue, lateral.c.completed_at)
         .select_from(policies.join(lateral, true()))
         .order_by(policies.c.queue)
         .limit(limit)
     )
-    return doomed.where(_key_free(lateral)) if lock else doomed
+    if not lock:
+        return roots.with_only_columns(lateral.c.id)
+    return families(roots.where(key_free(lateral)).subquery("chosen"), limit=limit)
 
 
 def _delete_finished_task() -> ReturningDelete[Any]:
@@ -226,40 +208,50 @@ def _delete_finished_task() -> ReturningDelete[Any]:
         DEFAULT_TERMINAL_RETENTION_SECONDS,
     )
     expired = (
-        select(t.c.id, t.c.queue, t.c.idempotency_key)
+        select(t.c.id, t.c.queue, t.c.idempotency_key, t.c.completed_at)
         .where(t.c.id == bindparam("task_id", type_=UUID_T), *_deletable(t, retention))
         .with_for_update(of=t, skip_locked=True)
         .subquery("expired")
     )
-    return _returning_delete(select(expired.c.id).where(_key_free(expired)))
+    chosen = (
+        select(expired.c.id, expired.c.queue, expired.c.completed_at)
+        .where(key_free(expired))
+        .subquery("chosen")
+    )
+    return returning_delete(families(chosen, limit=None))
 
 
-#: Deletes up to ``limit`` terminal tasks whose ``completed_at`` is at least their queue's
-#: ``terminal_retention_seconds`` (604800 without a queue row) before database time, oldest
-#: first within a queue, queues by name; binds ``queue`` (NULL: every queue). Only tasks
-#: whose whole family is past its retention (`FREE_LEAF`), and only those with no child
-#: row left: a parent waits for a later batch, after its children's deletion committed, so
-#: ``tasks.parent_id ON DELETE SET NULL`` never fires and a tree goes leaves first. Queues
-#: come from a loose index scan of ``ix_tasks_finished``; each queue's batch is one range of
-#: that index (queue, completed_at up to the cutoff), and each candidate's children are
-#: probed through ``ix_tasks_parent``, its family walked through it and the primary key.
-#: Locks the chosen terminal rows ``FOR UPDATE SKIP LOCKED`` (concurrent runs take disjoint
-#: rows; a task an administrator is retrying is skipped) and no other task row. Cascades to
-#: the tasks' attempts, checkpoints, signals and waits; ``tasks_idempotency_deleted`` writes
+#: Deletes the workflow families whose every member is a terminal task whose ``completed_at``
+#: is at least its queue's ``terminal_retention_seconds`` (604800 without a queue row) before
+#: database time, each family whole in this one statement (a task without parent or child is
+#: a family of one), about ``limit`` tasks: families in root order (oldest root first within a
+#: queue, queues by name) until the count reaches ``limit``, the family that reaches it
+#: included whole (a family is never split, so a batch may exceed ``limit`` by that
+#: family's size less one). Binds ``queue`` (NULL: every queue; else only the families whose
+#: members are all in it). Candidates are roots (`FREE_FAMILY`): queues from a loose index
+#: scan of ``ix_tasks_finished``, each queue's candidates one range of that index (at most
+#: ``limit`` roots), each root's family walked down through ``ix_tasks_parent`` (one probe per
+#: member) to check it and then again to lock it (`members`). Locks the roots and members
+#: ``FOR UPDATE SKIP LOCKED``, re-checked once locked (concurrent runs take disjoint families;
+#: a family with a member another transaction holds, or an administrator is retrying, is
+#: left whole for a later batch), and no other task row. One DELETE of a parent with its
+#: children: ``tasks.parent_id ON DELETE SET NULL`` finds nothing to set. Cascades to the
+#: tasks' attempts, checkpoints, signals and waits; ``tasks_idempotency_deleted`` writes
 #: each key's expiry down (never releasing it); a terminal task holds no capacity, so the
-#: capacity counter is untouched. Binds ``skip``, ids never taken (an empty array: none).
-#: Returns ``(id, queue, parent_id)`` of the deleted tasks.
-DELETE_FINISHED_TASKS: Final = _returning_delete(_finished_tasks(lock=True))
+#: capacity counter is untouched. Binds ``skip``, root ids never taken (an empty array:
+#: none). Returns ``(id, queue, parent_id)`` of the deleted tasks.
+DELETE_FINISHED_TASKS: Final = returning_delete(_finished_tasks(lock=True))
 
-#: The ids of the tasks `DELETE_FINISHED_TASKS` would take, with the same binds; locks
-#: nothing. When a batch failed on a row another transaction holds (a history row the
-#: cascade must delete, say), its tasks are tried one at a time (`DELETE_FINISHED_TASK`).
+#: The ids of the roots whose families `DELETE_FINISHED_TASKS` would consider, with the same
+#: binds; locks nothing. When a batch failed on a row another transaction holds (a history
+#: row the cascade must delete, say), its families are tried one at a time
+#: (`DELETE_FINISHED_TASK`).
 FINISHED_TASK_CANDIDATES: Final = _finished_tasks(lock=False)
 
-#: Deletes the task ``task_id`` when `DELETE_FINISHED_TASKS` could (finished, past its
-#: queue's terminal retention, no child left, its family past retention, its reservation
-#: free), by its primary key, locking it ``FOR UPDATE SKIP LOCKED``. Returns ``(id, queue,
-#: parent_id)``: one row, or none when it may not go (or another transaction holds it).
+#: Deletes the family of root ``task_id`` whole when `DELETE_FINISHED_TASKS` could (every
+#: member finished and past its queue's terminal retention, in ``queue`` unless it is NULL,
+#: reservations free, none held by another transaction), locking it ``FOR UPDATE SKIP
+#: LOCKED``. Returns ``(id, queue, parent_id)`` of the deleted tasks: none when it may not go.
 DELETE_FINISHED_TASK: Final = _delete_finished_task()
 
 

@@ -1,5 +1,5 @@
 """Retention: finished history and idempotency reservations go per queue, in bounded batches,
-children before parents; an unexpired key is never released; claims are never held up.
+a workflow family whole; an unexpired key is never released; claims are never held up.
 
 Old history is made by inserting terminal rows directly (``completed_at`` in the database's
 past) or by moving the database clock (``pgtask_clock``), never by waiting.
@@ -113,39 +113,30 @@ def tree(conn: Connection) -> dict[uuid.UUID, uuid.UUID | None]:
     return parents
 
 
-def test_children_go_before_parents_one_batch_at_a_time(pgtask_engine: Engine) -> None:
+def test_a_family_is_never_split_by_the_batch_size(pgtask_engine: Engine) -> None:
+    # Deleting a parent without its child would set the child's parent_id to NULL: a family
+    # larger than the batch goes whole in one batch, its links intact until it does.
     with pgtask_engine.begin() as conn:
         parents = tree(conn)
-    deleted_order: list[set[uuid.UUID]] = []
-    left = set(parents)
-    for _ in range(20):
-        result = run_retention(pgtask_engine, batch_size=2, max_batches=1)
-        with pgtask_engine.connect() as conn:
-            rows = conn.execute(text("SELECT id, parent_id FROM pgtask.tasks")).all()
-        now_left = {r.id for r in rows}
-        # No task lost its parent link: no parent was deleted while a child row existed.
-        assert all(r.parent_id == parents[r.id] for r in rows)
-        gone = left - now_left
-        assert len(gone) == result.tasks_deleted <= 2
-        for task in gone:
-            assert not any(parents[other] == task for other in now_left)
-        deleted_order.append(gone)
-        left = now_left
-        if not left:
-            break
-    assert left == set()
-    # Leaves first (two batches of grandchildren), then the children, then the root.
-    flat = [t for batch in deleted_order for t in batch]
-    assert flat.index(next(t for t, p in parents.items() if p is None)) == len(parents) - 1
+        others = finished(conn, 3, age=31 * DAY)  # older roots: taken first
+    result = run_retention(pgtask_engine, batch_size=2, max_batches=1)
+    assert (result.tasks_deleted, tasks_left(pgtask_engine)) == (2, 8)
+    with pgtask_engine.connect() as conn:
+        rows = conn.execute(text("SELECT id, parent_id FROM pgtask.tasks")).all()
+    assert {r.id for r in rows} == set(parents) | {others[0]}  # ages: i ms apart, the last
+    assert all(r.parent_id == parents.get(r.id) for r in rows)  # youngest of the three
+    result = run_retention(pgtask_engine, batch_size=2, max_batches=1)
+    # The lone root reaches the limit of 2 with the family of 7 after it: one batch of 8.
+    assert (result.tasks_deleted, tasks_left(pgtask_engine)) == (8, 0)
 
 
-def test_one_run_deletes_a_whole_tree_leaves_first(pgtask_engine: Engine) -> None:
+def test_one_batch_deletes_a_whole_tree(pgtask_engine: Engine) -> None:
     with pgtask_engine.begin() as conn:
         parents = tree(conn)
-    result = run_retention(pgtask_engine)
-    assert result.tasks_deleted == len(parents) == 7
+    with pgtask_engine.begin() as conn:  # one statement: the parent_id links never set NULL
+        rows = conn.execute(st_retention.DELETE_FINISHED_TASKS, {"queue": None, "limit": 1000})
+        assert {r.id for r in rows} == set(parents)
     assert tasks_left(pgtask_engine) == 0
-    assert result.batches >= 3  # grandchildren, children, root: one level per batch
 
 
 def test_a_parent_stays_while_a_child_is_unfinished_or_kept(pgtask_engine: Engine) -> None:
