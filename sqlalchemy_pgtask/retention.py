@@ -19,7 +19,8 @@ deletes what is older, in bounded batches:
 Each batch is one short statement in its own transaction that skips rows other transactions
 hold (``SKIP LOCKED``; a batch that fails on a row it cannot skip, a history row the cascade
 must delete, is retried one task at a time, and the task that fails alone is set aside with a
-warning), so concurrent runs (every worker runs retention on an interval, an
+warning; a kind whose statement is cut short anyway ends for the run with a warning, and the
+other kinds go on), so concurrent runs (every worker runs retention on an interval, an
 operator runs ``pgtask retention run``) share the work, each row deleted once. Retention locks
 only finished tasks and reservations, never a task a claim could take, so it never holds up a
 claim however slow it is. See ``docs/retention.md``.
@@ -107,9 +108,11 @@ class RetentionResult:
     workers_deleted: int = 0
     #: Deleting statements run, each in its own transaction.
     batches: int = 0
-    #: Whether some kind stopped at ``max_batches``, or was cut short (a warning names it),
-    #: with work possibly left (run it again).
+    #: Whether some kind stopped at ``max_batches`` with work possibly left (run it again).
     stopped_early: bool = False
+    #: The kinds a statement of which was cut short (a lock, a timeout: a warning says which),
+    #: each ended for this run, work possibly left; the other kinds went on.
+    kinds_cut_short: tuple[str, ...] = ()
 
 
 class RetentionSweep:
@@ -159,7 +162,8 @@ class RetentionSweep:
             keys_deleted=self.keys_deleted,
             workers_deleted=self.workers_deleted,
             batches=self.batches,
-            stopped_early=self.cut_short or bool(self.failed),
+            stopped_early=self.cut_short,
+            kinds_cut_short=tuple(self.failed),
         )
 
     def _more(self, done: int) -> bool:
@@ -324,10 +328,11 @@ def run_retention(
     short READ COMMITTED transaction of its own, on one connection of ``engine``, so a long
     run never holds locks or an old snapshot, and what it deleted stays deleted if it is
     interrupted. Each kind (finished tasks, expired reservations, reservations of tasks
-    finished long ago, worker rows) runs until a batch comes back short, or ``max_batches``
-    batches of that kind ran. A workflow family goes whole in one batch (a batch may exceed
-    ``batch_size`` by the last family's size less one); with ``queue``, only the families
-    whose members are all in that queue.
+    finished long ago, worker rows) runs until a batch comes back short, ``max_batches``
+    batches of that kind ran, or one of its statements was cut short (a lock, a timeout: a
+    warning, and `RetentionResult.kinds_cut_short`). A workflow family goes whole in one
+    batch (a batch may exceed ``batch_size`` by the last family's size less one); with
+    ``queue``, only the families whose members are all in that queue.
 
     ``queue`` limits tasks and reservations to that queue, and leaves worker rows alone;
     ``worker_retention`` is how long after it expired a worker row is kept (seconds).

@@ -20,6 +20,7 @@ import pytest
 from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from sqlalchemy_pgtask.cli._retention import result_line
 from sqlalchemy_pgtask.retention import run_retention
 from sqlalchemy_pgtask.worker._reconnect import HeldConnection
 from sqlalchemy_pgtask.worker._retention import Retention
@@ -74,7 +75,8 @@ def test_a_run_whose_task_kind_is_cut_short_still_deletes_keys_and_workers(
         holder.rollback()
         holder.close()
     assert (result.tasks_deleted, result.keys_deleted, result.workers_deleted) == (0, 1, 1)
-    assert result.stopped_early  # work is left: run it again
+    assert "finished tasks" in result.kinds_cut_short  # work is left: run it again
+    assert "cut short: finished tasks" in result_line(result, queue=None)
     assert keys_left(pgtask_engine) == set()
     warnings = _kind_warnings(caplog)
     assert any("finished tasks" in w and "LockNotAvailable" in w for w in warnings), warnings
