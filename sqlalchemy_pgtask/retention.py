@@ -19,7 +19,8 @@ deletes what is older, in bounded batches:
 Each batch is one short statement in its own transaction that skips rows other transactions
 hold (``SKIP LOCKED``; a batch that fails on a row it cannot skip, a history row the cascade
 must delete, is retried one task at a time, and the task that fails alone is set aside with a
-warning), so concurrent runs (every worker runs retention on an interval, an
+warning; a kind whose statement is cut short anyway ends for the run with a warning, and the
+other kinds go on), so concurrent runs (every worker runs retention on an interval, an
 operator runs ``pgtask retention run``) share the work, each row deleted once. Retention locks
 only finished tasks and reservations, never a task a claim could take, so it never holds up a
 claim however slow it is. See ``docs/retention.md``.
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Collection, Generator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
@@ -109,6 +110,9 @@ class RetentionResult:
     batches: int = 0
     #: Whether some kind stopped at ``max_batches`` with work possibly left (run it again).
     stopped_early: bool = False
+    #: The kinds a statement of which was cut short (a lock, a timeout: a warning says which),
+    #: each ended for this run, work possibly left; the other kinds went on.
+    kinds_cut_short: tuple[str, ...] = ()
 
 
 class RetentionSweep:
@@ -118,7 +122,9 @@ class RetentionSweep:
     (``generator.send(rows)``); the caller runs each in a transaction of its own. At most
     ``max_batches`` batches of each kind run (None: until done). The finished-keys cursors
     (per queue, the completion time read up to) may be shared by successive sweeps, so a
-    worker reads each finished task once rather than once per pass.
+    worker reads each finished task once rather than once per pass. ``skip``: roots to leave
+    out (set aside by earlier passes); ``rest(root)`` is called for each root set aside now and
+    says in the warning when it is tried again.
     """
 
     def __init__(
@@ -129,6 +135,8 @@ class RetentionSweep:
         max_batches: int | None,
         worker_retention: float | None,
         cursors: dict[str, datetime] | None = None,
+        skip: Collection[uuid.UUID] = (),
+        rest: Callable[[uuid.UUID], str] | None = None,
     ) -> None:
         self._queue = queue
         self._batch = batch_size
@@ -141,9 +149,12 @@ class RetentionSweep:
         self.batches = 0
         #: Whether some kind stopped at ``max_batches`` with work possibly left.
         self.cut_short = False
-        #: Finished tasks whose deletion failed alone (a row held by another transaction):
-        #: never taken again by this sweep.
-        self.set_aside: set[uuid.UUID] = set()
+        #: Roots left out: ``skip``, and those whose deletion failed alone (a row held by
+        #: another transaction), never taken again by this sweep.
+        self.set_aside: set[uuid.UUID] = set(skip)
+        self._rest = rest
+        #: Kinds a statement of which was cut short (by what): the others went on.
+        self.failed: dict[str, str] = {}
 
     def result(self) -> RetentionResult:
         return RetentionResult(
@@ -152,6 +163,7 @@ class RetentionSweep:
             workers_deleted=self.workers_deleted,
             batches=self.batches,
             stopped_early=self.cut_short,
+            kinds_cut_short=tuple(self.failed),
         )
 
     def _more(self, done: int) -> bool:
@@ -161,11 +173,27 @@ class RetentionSweep:
         return False
 
     def steps(self) -> Generator[Step, Sequence[Row[Any]], None]:
-        yield from self._tasks()
-        yield from self._expired_keys()
-        yield from self._finished_keys()
+        kinds: list[tuple[str, Callable[[], Generator[Step, Sequence[Row[Any]], None]]]] = [
+            ("finished tasks", self._tasks),
+            ("expired idempotency keys", self._expired_keys),
+            ("idempotency keys of tasks finished long ago", self._finished_keys),
+        ]
         if self._worker_retention is not None:
-            yield from self._workers(self._worker_retention)
+            kinds.append(("worker rows", self._workers))
+        for kind, run in kinds:
+            try:
+                yield from run()
+            except DBAPIError as exc:
+                if not is_held(exc):
+                    raise
+                # A statement cut short (a lock, statement_timeout on a huge family walk)
+                # would fail it again on every pass: it must not keep the later kinds from
+                # ever running.
+                self.failed[kind] = brief(exc)
+                logger.warning(
+                    "retention of %s stopped for this pass: a statement was cut short (%s);"
+                    " the other kinds go on, a later pass tries again", kind, brief(exc),
+                )
 
     def _tasks(self) -> Generator[Step, Sequence[Row[Any]], None]:
         done = 0
@@ -204,8 +232,9 @@ class RetentionSweep:
                 self.set_aside.add(task_id)
                 logger.warning(
                     "retention passed over task %s: deleting it (with its family) failed (%s), a"
-                    " row of the family or of its history is held by another transaction; a"
-                    " later pass tries again", task_id, brief(exc),
+                    " row of the family or of its history is held by another transaction; %s",
+                    task_id, brief(exc),
+                    "a later run tries again" if self._rest is None else self._rest(task_id),
                 )
                 continue
             self.tasks_deleted += len(rows)
@@ -253,12 +282,12 @@ class RetentionSweep:
                 if row.scanned < self._batch:
                     break
 
-    def _workers(self, retention: float) -> Generator[Step, Sequence[Row[Any]], None]:
+    def _workers(self) -> Generator[Step, Sequence[Row[Any]], None]:
         done = 0
         while self._more(done):
             rows = yield (
                 statements.PRUNE_WORKERS,
-                {"retention_seconds": retention, "limit": self._batch},
+                {"retention_seconds": self._worker_retention, "limit": self._batch},
             )
             done += 1
             self.batches += 1
@@ -299,10 +328,11 @@ def run_retention(
     short READ COMMITTED transaction of its own, on one connection of ``engine``, so a long
     run never holds locks or an old snapshot, and what it deleted stays deleted if it is
     interrupted. Each kind (finished tasks, expired reservations, reservations of tasks
-    finished long ago, worker rows) runs until a batch comes back short, or ``max_batches``
-    batches of that kind ran. A workflow family goes whole in one batch (a batch may exceed
-    ``batch_size`` by the last family's size less one); with ``queue``, only the families
-    whose members are all in that queue.
+    finished long ago, worker rows) runs until a batch comes back short, ``max_batches``
+    batches of that kind ran, or one of its statements was cut short (a lock, a timeout: a
+    warning, and `RetentionResult.kinds_cut_short`). A workflow family goes whole in one
+    batch (a batch may exceed ``batch_size`` by the last family's size less one); with
+    ``queue``, only the families whose members are all in that queue.
 
     ``queue`` limits tasks and reservations to that queue, and leaves worker rows alone;
     ``worker_retention`` is how long after it expired a worker row is kept (seconds).

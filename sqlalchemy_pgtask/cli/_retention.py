@@ -42,6 +42,8 @@ def result_line(result: RetentionResult, *, queue: str | None) -> str:
         parts.append(_plural(result.workers_deleted, "worker row"))
     batches = _plural(result.batches, "batch", "batches")
     more = " (stopped at --max-batches: more may be left)" if result.stopped_early else ""
+    if result.kinds_cut_short:
+        more += f" (cut short: {', '.join(result.kinds_cut_short)}; run it again)"
     return f"deleted {', '.join(parts)}{scope} in {batches}{more}"
 
 

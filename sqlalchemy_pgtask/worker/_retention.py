@@ -7,13 +7,18 @@ workers' passes hold, so passes running at once share the work. A pass runs at m
 worked off over the following passes. Worker rows are left to `WorkerPruning`.
 
 A pass locks only finished tasks and idempotency reservations, never a task a claim could
-take: a failed, slow or stuck pass never holds up claims.
+take: a failed, slow or stuck pass never holds up claims. A root whose family's deletion
+failed alone (a row of its history another transaction holds) rests across passes: the
+following passes leave it out of their batches for one pass interval, then twice as long each
+time it fails again (up to 16 intervals), so a row held for long costs a lock_timeout and a
+warning now and then, not on every pass.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import uuid
 from datetime import datetime
 from typing import Final
 
@@ -34,6 +39,9 @@ _REREAD_SECONDS: Final = 24 * 3600.0
 #: Seconds before the next pass when this one stopped at its batch limit with work left: a
 #: backlog drains pass after pass, each yielding to the other services in between.
 _BACKLOG_PAUSE: Final = 0.1
+#: A set-aside root's first rest (at least), and its longest, in pass intervals.
+_REST_FIRST: Final = 1.0
+_REST_MAX_INTERVALS: Final = 16
 
 
 class Retention:
@@ -46,6 +54,24 @@ class Retention:
         self._batch = batch_size
         self._cursors: dict[str, datetime] = {}
         self._reread_at = time.monotonic() + _REREAD_SECONDS
+        #: Root id -> (monotonic time its rest ends, the length of that rest).
+        self._resting: dict[uuid.UUID, tuple[float, float]] = {}
+        self._rest_max = max(_REST_FIRST, self.interval) * _REST_MAX_INTERVALS
+
+    def _still_resting(self) -> list[uuid.UUID]:
+        now = time.monotonic()
+        # A root whose rest ended long ago went another way (another pass or run deleted it):
+        # forget it, so the map stays as small as what is held.
+        for root in [r for r, (until, _) in self._resting.items() if until + self._rest_max < now]:
+            del self._resting[root]
+        return [root for root, (until, _) in self._resting.items() if until > now]
+
+    def _rest(self, root: uuid.UUID) -> str:
+        previous = self._resting.get(root)
+        first = max(_REST_FIRST, self.interval)
+        rest = first if previous is None else min(self._rest_max, 2 * previous[1])
+        self._resting[root] = (time.monotonic() + rest, rest)
+        return f"this worker's passes leave it out for {rest:.1f}s"
 
     async def run_once(self, connection: AsyncConnection) -> float | None:
         if time.monotonic() >= self._reread_at:
@@ -57,6 +83,8 @@ class Retention:
             max_batches=MAX_BATCHES_PER_PASS,
             worker_retention=None,
             cursors=self._cursors,
+            skip=self._still_resting(),
+            rest=self._rest,
         )
         steps = sweep.steps()
         try:
