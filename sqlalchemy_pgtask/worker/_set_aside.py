@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from sqlalchemy import Executable, Row
@@ -47,15 +47,16 @@ def cut_short(exc: BaseException) -> str | None:
 class SetAside:
     """Tasks one pass leaves out of its batches for a while (see the module)."""
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, *, clock: Callable[[], float] = time.monotonic) -> None:
         #: What the pass does to a task, for the log ("wait timeout", "recovery").
         self.what = what
+        self._clock = clock
         #: Task id -> (monotonic time its rest ends, the length of that rest).
         self._resting: dict[uuid.UUID, tuple[float, float]] = {}
 
     def resting(self) -> list[uuid.UUID]:
         """The tasks to leave out of the batches now."""
-        now = time.monotonic()
+        now = self._clock()
         # One whose rest ended long ago was handled some other way (a signal woke it, its
         # lease was renewed): forget it, so the set stays as small as what is held.
         for key in [k for k, (until, _) in self._resting.items() if until + REST_MAX < now]:
@@ -66,7 +67,7 @@ class SetAside:
         """Set ``key`` aside: its first rest, or one twice as long as its last."""
         previous = self._resting.get(key)
         rest = REST_FIRST if previous is None else min(REST_MAX, 2 * previous[1])
-        self._resting[key] = (time.monotonic() + rest, rest)
+        self._resting[key] = (self._clock() + rest, rest)
         logger.warning(
             "%s of task %s held back (%s); set aside for %.1fs", self.what, key, reason, rest
         )
@@ -77,10 +78,14 @@ class SetAside:
             self._resting.pop(key, None)
 
     def until_next(self) -> float | None:
-        """Seconds until the next rest ends, or None when nothing is set aside."""
-        if not self._resting:
-            return None
-        return max(0.0, min(until for until, _ in self._resting.values()) - time.monotonic())
+        """Seconds until the next rest ends, or None when no task is resting.
+
+        One whose rest has ended is only remembered (so that its next rest doubles): it is
+        tried with the next pass, which must not be run back to back for it.
+        """
+        now = self._clock()
+        ends = [until for until, _ in self._resting.values() if until > now]
+        return min(ends) - now if ends else None
 
     def __len__(self) -> int:
         return len(self._resting)

@@ -22,7 +22,9 @@ from sqlalchemy_pgtask import statements as st
 from sqlalchemy_pgtask.testing import DatabaseClock, wait_until
 from sqlalchemy_pgtask.worker._maintenance import WaitTimeouts
 from sqlalchemy_pgtask.worker._reconnect import HeldConnection
+from sqlalchemy_pgtask.worker._set_aside import REST_FIRST, REST_MAX
 from tests.support import durable as d
+from tests.support.clocks import StoppedClock
 from tests.support.waiting import PATIENCE
 
 
@@ -114,7 +116,8 @@ async def test_the_worker_sets_a_held_wait_aside_and_times_out_the_others(
         pgtask_async_engine.execution_options(isolation_level="AUTOCOMMIT"),
         lock_timeout=0.2, statement_timeout=30.0,
     )
-    service = WaitTimeouts(interval=5.0, batch_size=10)
+    clock = StoppedClock()
+    service = WaitTimeouts(interval=5.0, batch_size=10, clock=clock)
 
     def held_back() -> int:
         return sum(
@@ -127,14 +130,13 @@ async def test_the_worker_sets_a_held_wait_aside_and_times_out_the_others(
             first = await service.run_once(c)
             assert d.task_of(auto, family.unrelated)["state"] == "pending"
             assert held_back() == 1
-            assert first is not None
-            assert 0 < first <= 1.0  # tried again after its rest, not at the interval
+            assert first == REST_FIRST  # tried again after its rest, not at the interval
             again = await service.run_once(c)  # resting: left out, not tried again
             assert held_back() == 1
-            assert again is not None
-            assert 0 < again <= 1.0
+            assert again == REST_FIRST
         assert d.task_of(auto, family.parent)["state"] == "waiting"
         holder.rollback()
+        clock.now += REST_MAX  # its rest is over
 
         async def timed_out() -> bool:
             async with connection.use() as c:
