@@ -263,7 +263,7 @@ class MaintenanceRunner:
             if service.name != Rescue.name:
                 continue
             try:
-                async with self._connection.use() as connection:
+                async with self._connection.use(each_statement=True) as connection:
                     await service.run_once(connection)
             except Exception as exc:
                 # Not reported here: registration fails next for most causes (a missing table
@@ -294,7 +294,10 @@ class MaintenanceRunner:
                 continue
             sooner: float | None = None
             try:
-                async with self._connection.use() as connection:
+                # A pass may run many statements (a batch cut short by statement_timeout,
+                # then its tasks one by one): each gets the whole deadline, or the pass would
+                # be severed before it sets aside the task that cut it short.
+                async with self._connection.use(each_statement=True) as connection:
                     sooner = await service.run_once(connection)
             except Exception as exc:
                 wait = backoffs[id(service)].next()
