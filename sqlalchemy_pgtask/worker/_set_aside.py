@@ -5,9 +5,10 @@ another transaction holds (an open ``cancel()``, a ``FOR UPDATE`` on a descendan
 statement runs past ``statement_timeout`` must not stop the others: the pass skips what is
 locked, or after a failed batch tries the items one at a time, and whatever still fails is set
 aside here. A set-aside task is left out of the batches until its rest ends (1 s, doubling to
-30 s while it stays held), then tried again, so the time its tries cost (up to one
-``lock_timeout`` or ``statement_timeout`` each) stays bounded. Each rest is logged with the
-task id and the reason.
+30 s while it stays held), then tried again alone before the next batch (held still, it would
+fail the batch again), so the time its tries cost (up to one ``lock_timeout`` or
+``statement_timeout`` each) stays bounded. Each rest is logged with the task id and the
+reason.
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ class SetAside:
             del self._resting[key]
         return [key for key, (until, _) in self._resting.items() if until > now]
 
+    def due(self) -> list[uuid.UUID]:
+        """The tasks whose rest has ended: to try alone, before (not inside) a batch."""
+        now = self._clock()
+        return [key for key, (until, _) in self._resting.items() if until <= now]
+
     def hold(self, key: uuid.UUID, reason: str) -> None:
         """Set ``key`` aside: its first rest, or one twice as long as its last."""
         previous = self._resting.get(key)
@@ -98,10 +104,25 @@ async def batched(
     """Run ``batch`` (bound with ``params`` and ``aside``: the tasks resting); if another
     transaction or a timeout cuts it short, run ``one`` for each task ``listing`` names
     (``task`` bound), and set aside each that is cut short again. ``connection`` is in
-    autocommit: each statement is its own transaction. Returns the rows of what ran."""
-    resting = aside.resting()
+    autocommit: each statement is its own transaction. Returns the rows of what ran.
+
+    A task whose rest has ended is tried alone first (one still held would otherwise fail
+    the batch again, and roll back the others' work with it): set aside again if cut short,
+    forgotten if there is nothing left to do for it.
+    """
+    rows: list[Row[Any]] = []
+    tried = aside.due()
+    for task in tried:
+        alone = await _alone(connection, aside, one, params, task)
+        if alone == []:
+            aside.release([task])  # handled some other way meanwhile
+        rows.extend(alone or ())
+    # Those just tried stay out of the batch whatever happened: a wait reported held is set
+    # aside by the caller, after this returns.
+    resting = list({*aside.resting(), *tried})
     try:
-        return list((await connection.execute(batch, {**params, "aside": resting})).all())
+        rows.extend((await connection.execute(batch, {**params, "aside": resting})).all())
+        return rows
     except DBAPIError as exc:
         reason = cut_short(exc)
         if reason is None:
@@ -109,14 +130,22 @@ async def batched(
         await connection.rollback()
         logger.info("%s of a batch was cut short (%s); one by one now", aside.what, reason)
     ids = (await connection.execute(listing, {**params, "aside": resting})).scalars().all()
-    rows: list[Row[Any]] = []
     for task in ids:
-        try:
-            rows.extend((await connection.execute(one, {**params, "task": task})).all())
-        except DBAPIError as exc:
-            reason = cut_short(exc)
-            if reason is None:
-                raise
-            await connection.rollback()
-            aside.hold(task, reason)
+        rows.extend(await _alone(connection, aside, one, params, task) or ())
     return rows
+
+
+async def _alone(
+    connection: AsyncConnection, aside: SetAside, one: Executable, params: Mapping[str, Any],
+    task: uuid.UUID,
+) -> list[Row[Any]] | None:
+    """``one`` for ``task``: its rows, or None (and ``task`` set aside) if it was cut short."""
+    try:
+        return list((await connection.execute(one, {**params, "task": task})).all())
+    except DBAPIError as exc:
+        reason = cut_short(exc)
+        if reason is None:
+            raise
+        await connection.rollback()
+        aside.hold(task, reason)
+        return None

@@ -12,6 +12,7 @@ slept.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -99,6 +100,41 @@ async def test_a_held_expired_lease_never_stops_the_recovery_of_the_others(
         return bool(d.task_of(auto, stuck)["state"] == "cancelled")
 
     await wait_until(recovered, PATIENCE, message="the set-aside task recovered")
+    assert d.task_of(auto, child)["state"] == "cancelled"
+
+
+async def test_after_its_rest_a_held_task_is_tried_alone_not_inside_the_batch(
+    pgtask_engine: Engine, auto: Connection, maintenance: HeldConnection,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Still held when its rest ends, it would fail the whole batch again (and roll back the
+    recovery of the others); tried alone first, it is set aside for twice as long and the
+    batch takes the others at once."""
+    caplog.set_level(logging.INFO, logger="sqlalchemy_pgtask.worker")
+    d.add_task(auto, "job")
+    d.add_task(auto, "job")
+    stuck, unrelated = (lease.task_id for lease in d.claim(auto, "job"))
+    child, holder = _hold_child(pgtask_engine, auto, stuck)
+    try:
+        d.expire_lease(auto, stuck)
+        clock = StoppedClock()
+        service = Recovery(interval=5.0, batch_size=10, clock=clock)
+        assert await _pass(maintenance, service) == REST_FIRST
+        assert _held_back(caplog, "recovery", stuck) == 1
+        d.expire_lease(auto, unrelated)
+        clock.now += REST_FIRST
+        caplog.clear()
+        assert await _pass(maintenance, service) == 2 * REST_FIRST  # tried alone: rest doubled
+        assert _held_back(caplog, "recovery", stuck) == 1
+        assert d.task_of(auto, unrelated)["state"] == "pending"
+        assert d.task_of(auto, stuck)["state"] == "running"
+        assert not [r for r in caplog.records if "of a batch was cut short" in r.getMessage()]
+    finally:
+        holder.rollback()
+        holder.close()
+    clock.now += REST_MAX
+    await _pass(maintenance, service)  # tried alone once more: recovered
+    assert d.task_of(auto, stuck)["state"] == "cancelled"
     assert d.task_of(auto, child)["state"] == "cancelled"
 
 
