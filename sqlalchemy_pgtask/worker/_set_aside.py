@@ -23,26 +23,21 @@ from sqlalchemy import Executable, Row
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-__all__ = ["CUT_SHORT", "SetAside", "batched", "cut_short"]
+from sqlalchemy_pgtask._failures import held_back
+
+__all__ = ["SetAside", "batched", "cut_short"]
 
 logger = logging.getLogger("sqlalchemy_pgtask.worker")
 
-#: The errors that end one item's statement without saying anything about the others: a lock
-#: another transaction holds (55P03: ``NOWAIT`` or ``lock_timeout``), ``statement_timeout``
-#: (57014), a deadlock PostgreSQL broke (40P01).
-CUT_SHORT: Final = {
-    "55P03": "lock_not_available", "57014": "statement_timeout", "40P01": "deadlock_detected",
-}
 #: The first and the longest rest of a task set aside.
 REST_FIRST: Final = 1.0
 REST_MAX: Final = 30.0
 
 
 def cut_short(exc: BaseException) -> str | None:
-    """The `CUT_SHORT` reason for ``exc``, or None for any other error."""
-    if not isinstance(exc, DBAPIError):
-        return None
-    return CUT_SHORT.get(getattr(exc.orig, "sqlstate", None) or "")
+    """Why ``exc`` ended one item's statement without saying anything about the others
+    (`sqlalchemy_pgtask._failures.HELD_BACK`), or None for any other error."""
+    return held_back(exc) if isinstance(exc, DBAPIError) else None
 
 
 class SetAside:
