@@ -7,6 +7,8 @@ result waiters' listener; it imports nothing of the package, so any module may u
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Final
 
 import psycopg
@@ -14,7 +16,8 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 __all__ = [
-    "SERIALIZATION_FAILURE", "Backoff", "brief", "is_serialization_failure", "is_transient",
+    "HELD_BACK", "SERIALIZATION_FAILURE", "Backoff", "brief", "held_back",
+    "is_serialization_failure", "is_transient",
 ]
 
 
@@ -52,6 +55,24 @@ def is_serialization_failure(exc: BaseException) -> bool:
     failure."""
     cause = exc.orig if isinstance(exc, DBAPIError) else exc
     return getattr(cause, "sqlstate", None) == SERIALIZATION_FAILURE
+
+
+#: SQLSTATE -> reason of a statement stopped by what one of its rows needed, which says
+#: nothing about the other rows (the batch passes, retention and the scheduler then go on one
+#: at a time, or set that one aside): a lock another transaction holds past ``NOWAIT`` or
+#: ``lock_timeout`` (55P03), ``statement_timeout`` (57014), a deadlock PostgreSQL broke
+#: (40P01), a serialization failure (40001).
+HELD_BACK: Final[Mapping[str, str]] = MappingProxyType({
+    "55P03": "lock_not_available", "57014": "statement_timeout", "40P01": "deadlock_detected",
+    SERIALIZATION_FAILURE: "serialization_failure",
+})
+
+
+def held_back(exc: BaseException) -> str | None:
+    """The `HELD_BACK` reason of ``exc`` (SQLAlchemy's wrapper or the driver's own error), or
+    None for any other failure."""
+    cause = exc.orig if isinstance(exc, DBAPIError) else exc
+    return HELD_BACK.get(getattr(cause, "sqlstate", None) or "")
 
 
 #: SQLSTATEs worth retrying that psycopg does not raise as ``OperationalError``: a server

@@ -43,7 +43,7 @@ from sqlalchemy.exc import DBAPIError
 
 from sqlalchemy_pgtask._cron import Recurrence, RecurrenceError
 from sqlalchemy_pgtask._enqueue_plan import new_ids
-from sqlalchemy_pgtask._failures import brief, is_transient
+from sqlalchemy_pgtask._failures import HELD_BACK, brief, is_transient
 from sqlalchemy_pgtask._misfire import Occurrences, plan_occurrences
 from sqlalchemy_pgtask.statements import NOW
 from sqlalchemy_pgtask.statements.schedule import ADVANCE, DUE_SCHEDULES, MATERIALIZE, NOTE_ERROR
@@ -65,10 +65,9 @@ _ERROR_MAX: Final = 1000
 _WAITING: Final = "waiting for room: "
 #: How ``last_error`` of a schedule held back by another transaction starts.
 _HELD_BACK: Final = "held back: "
-#: What stops one schedule for now, not the pass: a lock another transaction holds past
-#: ``lock_timeout`` (55P03), a statement past ``statement_timeout`` (57014), a deadlock
-#: (40P01), a serialisation failure (40001). Its savepoint rolls back, its cursor stays.
-_HELD: Final = frozenset({"55P03", "57014", "40P01", "40001"})
+#: What stops one schedule for now, not the pass (`_failures.HELD_BACK`: a lock, a timeout, a
+#: deadlock, a serialisation failure). Its savepoint rolls back, its cursor stays.
+_HELD: Final = HELD_BACK.keys()
 
 
 @dataclass

@@ -41,7 +41,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask._connection import async_engine, sync_engine, translated_errors
-from sqlalchemy_pgtask._failures import brief
+from sqlalchemy_pgtask._failures import brief, held_back
 from sqlalchemy_pgtask.statements import retention as retention_statements
 from sqlalchemy_pgtask.validation import (
     INT4_MAX,
@@ -71,9 +71,6 @@ _ISOLATION: Final = "READ COMMITTED"
 #: One batch: a statement and its parameters; the driver sends back the rows it returned.
 Step = tuple[Executable, dict[str, Any]]
 
-#: A batch that failed on a row another transaction holds: past ``lock_timeout`` (55P03),
-#: ``statement_timeout`` (57014), a deadlock (40P01), a serialization failure (40001).
-_HELD: Final = frozenset({"55P03", "57014", "40P01", "40001"})
 #: A ``lock_timeout`` for a run whose connection has none (0: wait for ever): a batch held
 #: up by a row another transaction holds fails after this, and its tasks go one at a time.
 _RUN_LOCK_TIMEOUT: Final = "5s"
@@ -93,7 +90,7 @@ def is_held(exc: BaseException) -> bool:
     The driver of a `RetentionSweep` throws such a failure into `RetentionSweep.steps`
     (after rolling its transaction back), which works around the row; any other it raises.
     """
-    return isinstance(exc, DBAPIError) and getattr(exc.orig, "sqlstate", None) in _HELD
+    return isinstance(exc, DBAPIError) and held_back(exc) is not None
 
 
 @dataclass(frozen=True, slots=True)

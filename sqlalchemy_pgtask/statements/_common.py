@@ -50,6 +50,7 @@ __all__ = [
     "capabilities",
     "checkpoints",
     "keys",
+    "not_aside",
     "policies",
     "queues",
     "rate_buckets",
@@ -110,6 +111,12 @@ def arrays(
         .table_valued(*(column(col, type_) for _, col, type_ in columns))
         .render_derived(name)
     )
+
+
+def not_aside(task_id: ColumnElement[Any]) -> ColumnElement[bool]:
+    """``task_id`` is none of the tasks bound as ``aside`` (default none): those a
+    maintenance pass set aside for now (`worker._set_aside`)."""
+    return task_id != func.all(bindparam("aside", [], type_=ARRAY(UUID_T)))
 
 
 def running_state() -> ColumnElement[Any]:

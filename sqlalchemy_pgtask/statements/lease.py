@@ -53,6 +53,7 @@ from sqlalchemy_pgtask.statements._common import (
     Lease,
     arrays,
     attempts,
+    not_aside,
     running_state,
     seconds,
     tasks,
@@ -61,7 +62,8 @@ from sqlalchemy_pgtask.statements._common import (
 __all__ = [
     "COMPLETE", "FAIL", "LEASES", "OWNED", "RECOVER", "RELEASE", "RENEW", "CompleteParams",
     "FailParams", "FenceParams", "ReleaseParams", "RenewParams", "complete_params",
-    "fail_params", "fence_params", "recover_from", "release_params", "renew_params",
+    "expired_leases", "fail_params", "fence_params", "recover_from", "release_params",
+    "renew_params",
 ]
 
 _EXPIRED_ERROR: Final = cast(literal_column("""'{"type": "lease_expired"}'"""), JSONB)
@@ -357,19 +359,26 @@ def recover_from(expired: CTE, error: ColumnElement[Any] = _EXPIRED_ERROR) -> Se
     return select(done.c.id, done.c.state).add_cte(recorded)
 
 
+def expired_leases(*, one: bool) -> Select[Any]:
+    """The ids of the running tasks whose lease expired, earliest expiry first: up to
+    ``limit`` of them but those in ``aside``, or (``one``) the task ``task`` if it is one."""
+    chosen = tasks.c.id == bindparam("task", type_=UUID_T) if one else not_aside(tasks.c.id)
+    return (
+        select(tasks.c.id)
+        .where(tasks.c.state == literal_column("'running'"), tasks.c.lease_expires_at <= NOW,
+               chosen)
+        .order_by(tasks.c.lease_expires_at, tasks.c.id)
+        .limit(1 if one else bindparam("limit", type_=Integer))
+    )
+
+
 #: Recovers up to ``limit`` running tasks whose lease expired (their worker died or stalled),
 #: except those in ``aside`` (default none): pending again at once while attempts remain (the
 #: lost attempt counts as failed), failed otherwise, cancelled if cancellation was requested.
 #: Locks the expired rows with ``SKIP LOCKED`` so recoverers never wait on each other; served
 #: by ``ix_tasks_lease_expiry``. Returns ``(id, state)`` per recovered task.
 RECOVER: Final = recover_from(
-    select(tasks.c.id)
-    .where(tasks.c.state == literal_column("'running'"), tasks.c.lease_expires_at <= NOW,
-           tasks.c.id != func.all(bindparam("aside", [], type_=ARRAY(UUID_T))))
-    .order_by(tasks.c.lease_expires_at, tasks.c.id)
-    .limit(bindparam("limit", type_=Integer))
-    .with_for_update(skip_locked=True, key_share=True)
-    .cte("expired")
+    expired_leases(one=False).with_for_update(skip_locked=True, key_share=True).cte("expired")
 )
 
 #: The authoritative lease state of some tasks, read when a write's outcome is unknown (the

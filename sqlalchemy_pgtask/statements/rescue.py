@@ -45,8 +45,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, OID
 
-from sqlalchemy_pgtask.statements._common import NOW, TSTZ, UUID_T, tasks, workers
-from sqlalchemy_pgtask.statements.lease import recover_from
+from sqlalchemy_pgtask.statements._common import TSTZ, UUID_T, not_aside, tasks, workers
+from sqlalchemy_pgtask.statements.lease import expired_leases, recover_from
 
 __all__ = [
     "EXPIRED", "LOCK_NAMESPACE", "ORPHANS", "RECOVER_ONE", "RESCUE", "RESCUE_ONE", "WORKER_LOCKS",
@@ -143,10 +143,6 @@ WORKER_LOCKS: Final = _worker_locks(endings=True)
 WORKER_LOCKS_WITHOUT_ENDINGS: Final = _worker_locks(endings=False)
 
 
-def _aside() -> ColumnElement[bool]:
-    return tasks.c.id != func.all(bindparam("aside", [], type_=ARRAY(UUID_T)))
-
-
 def _orphans(*, one: bool) -> Select[Any]:
     keys = _held_keys()
     still_gone = select(workers.c.id).where(
@@ -154,23 +150,12 @@ def _orphans(*, one: bool) -> Select[Any]:
         workers.c.lock_key.is_not(None),
         ~_holds(keys),
     )
-    chosen = tasks.c.id == bindparam("task", type_=UUID_T) if one else _aside()
+    chosen = tasks.c.id == bindparam("task", type_=UUID_T) if one else not_aside(tasks.c.id)
     return (
         select(tasks.c.id)
         .where(tasks.c.state == literal_column("'running'"), tasks.c.lease_owner.in_(still_gone),
                chosen)
         .order_by(tasks.c.id)
-        .limit(1 if one else bindparam("limit", type_=Integer))
-    )
-
-
-def _expired(*, one: bool) -> Select[Any]:
-    chosen = tasks.c.id == bindparam("task", type_=UUID_T) if one else _aside()
-    return (
-        select(tasks.c.id)
-        .where(tasks.c.state == literal_column("'running'"), tasks.c.lease_expires_at <= NOW,
-               chosen)
-        .order_by(tasks.c.lease_expires_at, tasks.c.id)
         .limit(1 if one else bindparam("limit", type_=Integer))
     )
 
@@ -197,10 +182,10 @@ RESCUE_ONE: Final = _rescue(one=True)
 
 #: The ids `statements.RECOVER` would take (up to ``limit``, none of ``aside``), read without
 #: locking, earliest expiry first.
-EXPIRED: Final = _expired(one=False)
+EXPIRED: Final = expired_leases(one=False)
 
 #: `statements.RECOVER` for the one task ``task`` (if its lease has expired): tried alone after
 #: a batch failed. Returns ``(id, state)``.
 RECOVER_ONE: Final = recover_from(
-    _expired(one=True).with_for_update(skip_locked=True, key_share=True).cte("expired")
+    expired_leases(one=True).with_for_update(skip_locked=True, key_share=True).cte("expired")
 )

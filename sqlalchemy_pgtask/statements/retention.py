@@ -72,7 +72,6 @@ __all__ = [
 ]
 
 
-
 def _finished(table: FromClause = tasks) -> ColumnElement[bool]:
     # Literals, so the planner matches the partial index ix_tasks_finished in a generic plan.
     return table.c.state.in_([literal_column(f"'{state}'") for state in TERMINAL_STATES])

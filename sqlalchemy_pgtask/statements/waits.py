@@ -26,7 +26,6 @@ from sqlalchemy import (
     Integer,
     Select,
     Text,
-    bindparam,
     case,
     cast,
     exists,
@@ -37,13 +36,14 @@ from sqlalchemy import (
     true,
     update,
 )
-from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from sqlalchemy_pgtask.statements._common import (
     NOW,
     UUID_T,
     checkpoints,
+    not_aside,
     seconds,
     signals,
     tasks,
@@ -249,7 +249,7 @@ def _wait_timeouts(*, one: bool) -> CompoundSelect[Any]:
     # here would let a transaction that holds the row (an open cancel()) make it wait anyway.
     chosen = (
         waits.c.task_id == bind("task", UUID_T) if one
-        else waits.c.task_id != func.all(bindparam("aside", [], type_=ARRAY(UUID_T)))
+        else not_aside(waits.c.task_id)
     )
     due = (
         select(waits.c.task_id, waits.c.kind, waits.c.version, waits.c.step,
@@ -381,7 +381,7 @@ DUE_WAITS: Final = (
     select(waits.c.task_id)
     .where(
         waits.c.timeout_at <= NOW,
-        waits.c.task_id != func.all(bindparam("aside", [], type_=ARRAY(UUID_T))),
+        not_aside(waits.c.task_id),
     )
     .order_by(waits.c.timeout_at)
     .limit(bind("limit", Integer))
@@ -394,5 +394,5 @@ NEXT_WAIT_TIMEOUT: Final = select(
     func.extract("epoch", func.min(waits.c.timeout_at) - NOW).label("seconds")
 ).where(
     waits.c.timeout_at.is_not(None),
-    waits.c.task_id != func.all(bindparam("aside", [], type_=ARRAY(UUID_T))),
+    not_aside(waits.c.task_id),
 )

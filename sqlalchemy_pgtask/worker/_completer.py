@@ -42,6 +42,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask._asyncio import bounded
 from sqlalchemy_pgtask._driver_sql import execute_async
+from sqlalchemy_pgtask._failures import HELD_BACK
 from sqlalchemy_pgtask.outcome import Outcome, WriteKind, error_document
 from sqlalchemy_pgtask.statements import Lease
 from sqlalchemy_pgtask.states import RUNNING
@@ -56,7 +57,8 @@ logger = logging.getLogger("sqlalchemy_pgtask.worker")
 #: SQLSTATEs of a statement stopped before its commit by what one of its rows needed: 55P03, a
 #: ``NOWAIT`` lock or one that ran out of ``lock_timeout``; 57014, ``statement_timeout`` (or
 #: an operator's ``pg_cancel_backend``).
-_CUT_SHORT: Final = {"55P03": "lock_not_available", "57014": "statement_timeout"}
+#: (Not a deadlock or a serialisation failure: those are retried like any transient failure.)
+_CUT_SHORT: Final = {state: HELD_BACK[state] for state in ("55P03", "57014")}
 #: Tries alone, cut short, at which an outcome is given up: in all, and of those that ran
 #: past ``statement_timeout`` (each held the writer, and every outcome behind it, that long).
 _MAX_CUT_SHORT: Final = 10

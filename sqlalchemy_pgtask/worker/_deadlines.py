@@ -8,21 +8,29 @@ path. So a deadline *severs* the connection instead: it shuts its socket down, t
 wait ends at once with a lost-connection error (transient: the loop reconnects after its
 backoff, on a fresh connection), and no cancel request is ever sent.
 
+A body that runs many statements, each of which may legitimately run up to the server's
+``statement_timeout`` (a maintenance pass: a batch, then its tasks one by one), has its
+deadline counted from the start of each statement instead (`severing_each`).
+
 `Liveness` remembers the last successful round trip to PostgreSQL, for ``/healthz``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from typing import Any, Final, TypeVar
+
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from sqlalchemy_pgtask._asyncio import sever, severing
 
 __all__ = [
     "DEADLINE_MARGIN", "MIN_QUICK_DEADLINE", "Liveness", "abandon_after", "long_deadline",
-    "quick_deadline", "sever", "severing",
+    "quick_deadline", "sever", "severing", "severing_each",
 ]
 
 _T = TypeVar("_T")
@@ -46,6 +54,34 @@ def long_deadline(statement_timeout: float) -> float:
     """The deadline of outcome writes and maintenance passes, which may legitimately run up
     to ``statement_timeout``: given up on only once the server should have cancelled them."""
     return statement_timeout + DEADLINE_MARGIN
+
+
+@contextlib.contextmanager
+def severing_each(connection: AsyncConnection, seconds: float) -> Iterator[list[bool]]:
+    """`severing`, with ``seconds`` counted again from the start of each statement the body
+    runs on ``connection`` (and from the start of the body)."""
+    fired = [False]
+    loop = asyncio.get_running_loop()
+
+    def expire() -> None:
+        fired[0] = True
+        sever(connection)
+
+    handle = [loop.call_later(seconds, expire)]
+
+    def rearm(*_: object) -> None:
+        # Run by SQLAlchemy in the event loop's thread (the greenlet of the awaited execute).
+        handle[0].cancel()
+        handle[0] = loop.call_later(seconds, expire)
+
+    sync = connection.sync_connection
+    assert sync is not None
+    event.listen(sync, "before_cursor_execute", rearm)
+    try:
+        yield fired
+    finally:
+        handle[0].cancel()
+        event.remove(sync, "before_cursor_execute", rearm)
 
 
 class Liveness:

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -79,12 +79,14 @@ class Recovery:
 
     name = "recovery"
 
-    def __init__(self, *, interval: float, batch_size: int) -> None:
+    def __init__(
+        self, *, interval: float, batch_size: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.interval = interval
         self._batch = batch_size
         #: Tasks whose recovery another transaction held back (a descendant its cascade
         #: cancels, its waiting parent, its attempt row), or that ran past statement_timeout.
-        self._aside = SetAside("recovery")
+        self._aside = SetAside("recovery", clock=clock)
 
     async def run_once(self, connection: AsyncConnection) -> float | None:
         for _ in range(MAX_BATCHES_PER_PASS):
@@ -110,11 +112,13 @@ class Rescue:
 
     name = "rescue"
 
-    def __init__(self, *, interval: float, batch_size: int) -> None:
+    def __init__(
+        self, *, interval: float, batch_size: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.interval = interval
         self._batch = batch_size
         self._sightings = Sightings()
-        self._aside = SetAside("rescue")
+        self._aside = SetAside("rescue", clock=clock)
 
     async def run_once(self, connection: AsyncConnection) -> float | None:
         counted = (connection.dialect.server_version_info or (14,)) >= (14,)
@@ -157,10 +161,12 @@ class WaitTimeouts:
 
     name = "wait timeouts"
 
-    def __init__(self, *, interval: float, batch_size: int) -> None:
+    def __init__(
+        self, *, interval: float, batch_size: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.interval = interval
         self._batch = batch_size
-        self._aside = SetAside("wait timeout")
+        self._aside = SetAside("wait timeout", clock=clock)
 
     async def run_once(self, connection: AsyncConnection) -> float | None:
         woken = 0
@@ -257,7 +263,7 @@ class MaintenanceRunner:
             if service.name != Rescue.name:
                 continue
             try:
-                async with self._connection.use() as connection:
+                async with self._connection.use(each_statement=True) as connection:
                     await service.run_once(connection)
             except Exception as exc:
                 # Not reported here: registration fails next for most causes (a missing table
@@ -288,7 +294,10 @@ class MaintenanceRunner:
                 continue
             sooner: float | None = None
             try:
-                async with self._connection.use() as connection:
+                # A pass may run many statements (a batch cut short by statement_timeout,
+                # then its tasks one by one): each gets the whole deadline, or the pass would
+                # be severed before it sets aside the task that cut it short.
+                async with self._connection.use(each_statement=True) as connection:
                     sooner = await service.run_once(connection)
             except Exception as exc:
                 wait = backoffs[id(service)].next()

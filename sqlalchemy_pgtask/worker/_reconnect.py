@@ -28,7 +28,13 @@ from sqlalchemy_pgtask._asyncio import bounded
 from sqlalchemy_pgtask._failures import Backoff, brief, is_transient
 from sqlalchemy_pgtask._url import database_url
 from sqlalchemy_pgtask.errors import InvalidOptionError
-from sqlalchemy_pgtask.worker._deadlines import Liveness, long_deadline, sever, severing
+from sqlalchemy_pgtask.worker._deadlines import (
+    Liveness,
+    long_deadline,
+    sever,
+    severing,
+    severing_each,
+)
 from sqlalchemy_pgtask.worker._observer import NO_OBSERVER, Observer
 
 __all__ = [
@@ -178,15 +184,18 @@ class HeldConnection:
         self.observer: Observer = NO_OBSERVER
 
     @contextlib.asynccontextmanager
-    async def use(self, deadline: float | None = None) -> AsyncIterator[AsyncConnection]:
+    async def use(
+        self, deadline: float | None = None, *, each_statement: bool = False
+    ) -> AsyncIterator[AsyncConnection]:
         """The connection, for statements that must be over within ``deadline`` seconds
-        (default: `deadline`); past it, the connection is severed and the body fails with
-        `TimeoutError` (transient)."""
-        async with self._turn, self._use(self.deadline if deadline is None else deadline) as c:
+        (default: `deadline`), or each within it if ``each_statement``; past it, the
+        connection is severed and the body fails with `TimeoutError` (transient)."""
+        seconds = self.deadline if deadline is None else deadline
+        async with self._turn, self._use(seconds, each_statement) as c:
             yield c
 
     @contextlib.asynccontextmanager
-    async def _use(self, seconds: float) -> AsyncIterator[AsyncConnection]:
+    async def _use(self, seconds: float, each: bool = False) -> AsyncIterator[AsyncConnection]:
         self._idle.clear()
         try:
             until = time.monotonic() + seconds
@@ -194,7 +203,11 @@ class HeldConnection:
                 await self._open(seconds)
             assert self._connection is not None
             connection = self._connection
-            with severing(connection, until - time.monotonic()) as fired:
+            sever_late = (
+                severing_each(connection, seconds) if each
+                else severing(connection, until - time.monotonic())
+            )
+            with sever_late as fired:
                 try:
                     yield connection
                 except BaseException as exc:

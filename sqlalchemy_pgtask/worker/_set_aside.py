@@ -5,9 +5,10 @@ another transaction holds (an open ``cancel()``, a ``FOR UPDATE`` on a descendan
 statement runs past ``statement_timeout`` must not stop the others: the pass skips what is
 locked, or after a failed batch tries the items one at a time, and whatever still fails is set
 aside here. A set-aside task is left out of the batches until its rest ends (1 s, doubling to
-30 s while it stays held), then tried again, so the time its tries cost (up to one
-``lock_timeout`` or ``statement_timeout`` each) stays bounded. Each rest is logged with the
-task id and the reason.
+30 s while it stays held), then tried again alone before the next batch (held still, it would
+fail the batch again), so the time its tries cost (up to one ``lock_timeout`` or
+``statement_timeout`` each) stays bounded. Each rest is logged with the task id and the
+reason.
 """
 
 from __future__ import annotations
@@ -15,58 +16,59 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from sqlalchemy import Executable, Row
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-__all__ = ["CUT_SHORT", "SetAside", "batched", "cut_short"]
+from sqlalchemy_pgtask._failures import held_back
+
+__all__ = ["SetAside", "batched", "cut_short"]
 
 logger = logging.getLogger("sqlalchemy_pgtask.worker")
 
-#: The errors that end one item's statement without saying anything about the others: a lock
-#: another transaction holds (55P03: ``NOWAIT`` or ``lock_timeout``), ``statement_timeout``
-#: (57014), a deadlock PostgreSQL broke (40P01).
-CUT_SHORT: Final = {
-    "55P03": "lock_not_available", "57014": "statement_timeout", "40P01": "deadlock_detected",
-}
 #: The first and the longest rest of a task set aside.
 REST_FIRST: Final = 1.0
 REST_MAX: Final = 30.0
 
 
 def cut_short(exc: BaseException) -> str | None:
-    """The `CUT_SHORT` reason for ``exc``, or None for any other error."""
-    if not isinstance(exc, DBAPIError):
-        return None
-    return CUT_SHORT.get(getattr(exc.orig, "sqlstate", None) or "")
+    """Why ``exc`` ended one item's statement without saying anything about the others
+    (`sqlalchemy_pgtask._failures.HELD_BACK`), or None for any other error."""
+    return held_back(exc) if isinstance(exc, DBAPIError) else None
 
 
 class SetAside:
     """Tasks one pass leaves out of its batches for a while (see the module)."""
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, *, clock: Callable[[], float] = time.monotonic) -> None:
         #: What the pass does to a task, for the log ("wait timeout", "recovery").
         self.what = what
+        self._clock = clock
         #: Task id -> (monotonic time its rest ends, the length of that rest).
         self._resting: dict[uuid.UUID, tuple[float, float]] = {}
 
     def resting(self) -> list[uuid.UUID]:
         """The tasks to leave out of the batches now."""
-        now = time.monotonic()
+        now = self._clock()
         # One whose rest ended long ago was handled some other way (a signal woke it, its
         # lease was renewed): forget it, so the set stays as small as what is held.
         for key in [k for k, (until, _) in self._resting.items() if until + REST_MAX < now]:
             del self._resting[key]
         return [key for key, (until, _) in self._resting.items() if until > now]
 
+    def due(self) -> list[uuid.UUID]:
+        """The tasks whose rest has ended: to try alone, before (not inside) a batch."""
+        now = self._clock()
+        return [key for key, (until, _) in self._resting.items() if until <= now]
+
     def hold(self, key: uuid.UUID, reason: str) -> None:
         """Set ``key`` aside: its first rest, or one twice as long as its last."""
         previous = self._resting.get(key)
         rest = REST_FIRST if previous is None else min(REST_MAX, 2 * previous[1])
-        self._resting[key] = (time.monotonic() + rest, rest)
+        self._resting[key] = (self._clock() + rest, rest)
         logger.warning(
             "%s of task %s held back (%s); set aside for %.1fs", self.what, key, reason, rest
         )
@@ -77,10 +79,14 @@ class SetAside:
             self._resting.pop(key, None)
 
     def until_next(self) -> float | None:
-        """Seconds until the next rest ends, or None when nothing is set aside."""
-        if not self._resting:
-            return None
-        return max(0.0, min(until for until, _ in self._resting.values()) - time.monotonic())
+        """Seconds until the next rest ends, or None when no task is resting.
+
+        One whose rest has ended is only remembered (so that its next rest doubles): it is
+        tried with the next pass, which must not be run back to back for it.
+        """
+        now = self._clock()
+        ends = [until for until, _ in self._resting.values() if until > now]
+        return min(ends) - now if ends else None
 
     def __len__(self) -> int:
         return len(self._resting)
@@ -93,10 +99,25 @@ async def batched(
     """Run ``batch`` (bound with ``params`` and ``aside``: the tasks resting); if another
     transaction or a timeout cuts it short, run ``one`` for each task ``listing`` names
     (``task`` bound), and set aside each that is cut short again. ``connection`` is in
-    autocommit: each statement is its own transaction. Returns the rows of what ran."""
-    resting = aside.resting()
+    autocommit: each statement is its own transaction. Returns the rows of what ran.
+
+    A task whose rest has ended is tried alone first (one still held would otherwise fail
+    the batch again, and roll back the others' work with it): set aside again if cut short,
+    forgotten if there is nothing left to do for it.
+    """
+    rows: list[Row[Any]] = []
+    tried = aside.due()
+    for task in tried:
+        alone = await _alone(connection, aside, one, params, task)
+        if alone == []:
+            aside.release([task])  # handled some other way meanwhile
+        rows.extend(alone or ())
+    # Those just tried stay out of the batch whatever happened: a wait reported held is set
+    # aside by the caller, after this returns.
+    resting = list({*aside.resting(), *tried})
     try:
-        return list((await connection.execute(batch, {**params, "aside": resting})).all())
+        rows.extend((await connection.execute(batch, {**params, "aside": resting})).all())
+        return rows
     except DBAPIError as exc:
         reason = cut_short(exc)
         if reason is None:
@@ -104,14 +125,22 @@ async def batched(
         await connection.rollback()
         logger.info("%s of a batch was cut short (%s); one by one now", aside.what, reason)
     ids = (await connection.execute(listing, {**params, "aside": resting})).scalars().all()
-    rows: list[Row[Any]] = []
     for task in ids:
-        try:
-            rows.extend((await connection.execute(one, {**params, "task": task})).all())
-        except DBAPIError as exc:
-            reason = cut_short(exc)
-            if reason is None:
-                raise
-            await connection.rollback()
-            aside.hold(task, reason)
+        rows.extend(await _alone(connection, aside, one, params, task) or ())
     return rows
+
+
+async def _alone(
+    connection: AsyncConnection, aside: SetAside, one: Executable, params: Mapping[str, Any],
+    task: uuid.UUID,
+) -> list[Row[Any]] | None:
+    """``one`` for ``task``: its rows, or None (and ``task`` set aside) if it was cut short."""
+    try:
+        return list((await connection.execute(one, {**params, "task": task})).all())
+    except DBAPIError as exc:
+        reason = cut_short(exc)
+        if reason is None:
+            raise
+        await connection.rollback()
+        aside.hold(task, reason)
+        return None

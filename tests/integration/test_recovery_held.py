@@ -12,6 +12,7 @@ slept.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -24,8 +25,10 @@ from sqlalchemy_pgtask import statements as st
 from sqlalchemy_pgtask.testing import wait_until
 from sqlalchemy_pgtask.worker._maintenance import MaintenanceService, Recovery, Rescue
 from sqlalchemy_pgtask.worker._reconnect import HeldConnection
+from sqlalchemy_pgtask.worker._set_aside import REST_FIRST, REST_MAX
 from tests.integration.test_rescue import FakeWorker
 from tests.support import durable as d
+from tests.support.clocks import StoppedClock
 from tests.support.trees import add_chain
 from tests.support.waiting import PATIENCE
 
@@ -78,24 +81,60 @@ async def test_a_held_expired_lease_never_stops_the_recovery_of_the_others(
     try:
         d.expire_lease(auto, stuck)
         d.expire_lease(auto, unrelated)
-        service = Recovery(interval=5.0, batch_size=10)
+        clock = StoppedClock()
+        service = Recovery(interval=5.0, batch_size=10, clock=clock)
         first = await _pass(maintenance, service)
         assert d.task_of(auto, unrelated)["state"] == "pending"
         assert d.task_of(auto, stuck)["state"] == "running"
         assert _held_back(caplog, "recovery", stuck) == 1
-        assert first is not None
-        assert 0 < first <= 1.0  # tried again after its rest, not at the interval
+        assert first == REST_FIRST  # tried again after its rest, not at the interval
         await _pass(maintenance, service)  # resting: left out, no wait for the lock
         assert _held_back(caplog, "recovery", stuck) == 1
     finally:
         holder.rollback()
         holder.close()
+    clock.now += REST_MAX  # its rest is over
 
     async def recovered() -> bool:
         await _pass(maintenance, service)
         return bool(d.task_of(auto, stuck)["state"] == "cancelled")
 
     await wait_until(recovered, PATIENCE, message="the set-aside task recovered")
+    assert d.task_of(auto, child)["state"] == "cancelled"
+
+
+async def test_after_its_rest_a_held_task_is_tried_alone_not_inside_the_batch(
+    pgtask_engine: Engine, auto: Connection, maintenance: HeldConnection,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Still held when its rest ends, it would fail the whole batch again (and roll back the
+    recovery of the others); tried alone first, it is set aside for twice as long and the
+    batch takes the others at once."""
+    caplog.set_level(logging.INFO, logger="sqlalchemy_pgtask.worker")
+    d.add_task(auto, "job")
+    d.add_task(auto, "job")
+    stuck, unrelated = (lease.task_id for lease in d.claim(auto, "job"))
+    child, holder = _hold_child(pgtask_engine, auto, stuck)
+    try:
+        d.expire_lease(auto, stuck)
+        clock = StoppedClock()
+        service = Recovery(interval=5.0, batch_size=10, clock=clock)
+        assert await _pass(maintenance, service) == REST_FIRST
+        assert _held_back(caplog, "recovery", stuck) == 1
+        d.expire_lease(auto, unrelated)
+        clock.now += REST_FIRST
+        caplog.clear()
+        assert await _pass(maintenance, service) == 2 * REST_FIRST  # tried alone: rest doubled
+        assert _held_back(caplog, "recovery", stuck) == 1
+        assert d.task_of(auto, unrelated)["state"] == "pending"
+        assert d.task_of(auto, stuck)["state"] == "running"
+        assert not [r for r in caplog.records if "of a batch was cut short" in r.getMessage()]
+    finally:
+        holder.rollback()
+        holder.close()
+    clock.now += REST_MAX
+    await _pass(maintenance, service)  # tried alone once more: recovered
+    assert d.task_of(auto, stuck)["state"] == "cancelled"
     assert d.task_of(auto, child)["state"] == "cancelled"
 
 
@@ -108,7 +147,8 @@ async def test_a_held_task_of_a_gone_worker_never_stops_the_rescue_of_the_others
     stuck = worker.running_task()
     unrelated = worker.running_task()
     child, holder = _hold_child(pgtask_engine, auto, stuck)
-    service = Rescue(interval=5.0, batch_size=10)
+    clock = StoppedClock()
+    service = Rescue(interval=5.0, batch_size=10, clock=clock)
     try:
         await _pass(maintenance, service)  # seen holding its lock
         worker.die()
@@ -122,6 +162,7 @@ async def test_a_held_task_of_a_gone_worker_never_stops_the_rescue_of_the_others
     finally:
         holder.rollback()
         holder.close()
+    clock.now += REST_MAX  # its rest is over
 
     async def rescued() -> bool:
         await _pass(maintenance, service)

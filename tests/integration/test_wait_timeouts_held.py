@@ -9,6 +9,7 @@ time is moved, never slept.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,9 +21,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy_pgtask import cancel, explain
 from sqlalchemy_pgtask import statements as st
 from sqlalchemy_pgtask.testing import DatabaseClock, wait_until
-from sqlalchemy_pgtask.worker._maintenance import WaitTimeouts
+from sqlalchemy_pgtask.worker._maintenance import MaintenanceRunner, WaitTimeouts
 from sqlalchemy_pgtask.worker._reconnect import HeldConnection
+from sqlalchemy_pgtask.worker._set_aside import REST_FIRST, REST_MAX
 from tests.support import durable as d
+from tests.support.clocks import StoppedClock
 from tests.support.waiting import PATIENCE
 
 
@@ -114,7 +117,8 @@ async def test_the_worker_sets_a_held_wait_aside_and_times_out_the_others(
         pgtask_async_engine.execution_options(isolation_level="AUTOCOMMIT"),
         lock_timeout=0.2, statement_timeout=30.0,
     )
-    service = WaitTimeouts(interval=5.0, batch_size=10)
+    clock = StoppedClock()
+    service = WaitTimeouts(interval=5.0, batch_size=10, clock=clock)
 
     def held_back() -> int:
         return sum(
@@ -127,14 +131,13 @@ async def test_the_worker_sets_a_held_wait_aside_and_times_out_the_others(
             first = await service.run_once(c)
             assert d.task_of(auto, family.unrelated)["state"] == "pending"
             assert held_back() == 1
-            assert first is not None
-            assert 0 < first <= 1.0  # tried again after its rest, not at the interval
+            assert first == REST_FIRST  # tried again after its rest, not at the interval
             again = await service.run_once(c)  # resting: left out, not tried again
             assert held_back() == 1
-            assert again is not None
-            assert 0 < again <= 1.0
+            assert again == REST_FIRST
         assert d.task_of(auto, family.parent)["state"] == "waiting"
         holder.rollback()
+        clock.now += REST_MAX  # its rest is over
 
         async def timed_out() -> bool:
             async with connection.use() as c:
@@ -178,5 +181,49 @@ async def test_after_a_batch_cut_short_the_waits_are_timed_out_one_at_a_time(
                 in r.getMessage() for r in caplog.records
             )
         finally:
+            holder.rollback()
+            await connection.close()
+
+
+async def test_a_wait_past_statement_timeout_is_set_aside_within_the_passs_deadline(
+    pgtask_engine: Engine, auto: Connection, pgtask_async_engine: AsyncEngine,
+    pgtask_clock: DatabaseClock, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A lock wait that ends on ``statement_timeout`` (``lock_timeout`` is longer) costs the
+    batch one timeout and the held wait alone another: together longer than the maintenance
+    connection's deadline. Each statement of the runner's pass gets the whole deadline, so the
+    held wait is set aside and the other times out; before, the deadline severed the pass
+    before it set anything aside, and every pass did the same."""
+    family = _family(auto, pgtask_clock)
+    connection = HeldConnection(
+        pgtask_async_engine.execution_options(isolation_level="AUTOCOMMIT"),
+        lock_timeout=30.0, statement_timeout=1.0, deadline=1.6,
+    )
+    runner = MaintenanceRunner(connection, [WaitTimeouts(interval=60.0, batch_size=10)])
+    with pgtask_engine.connect() as holder:
+        holder.execute(
+            text(
+                "INSERT INTO pgtask.checkpoints (task_id, version, step, occurrence, kind, value)"
+                " VALUES (:id, :version, 'await-ship', 0, 'result', '{}'::jsonb)"
+            ),
+            {"id": family.parent, "version": d.VERSION},
+        )
+        running = asyncio.create_task(runner.run())
+        try:
+            await wait_until(
+                lambda: d.task_of(auto, family.unrelated)["state"] == "pending", PATIENCE,
+                message="the unrelated wait timed out",
+            )
+            await wait_until(
+                lambda: any(
+                    f"wait timeout of task {family.parent} held back (statement_timeout)"
+                    in r.getMessage() for r in caplog.records
+                ),
+                PATIENCE, message="the slow wait set aside",
+            )
+            assert d.task_of(auto, family.parent)["state"] == "waiting"
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
             holder.rollback()
             await connection.close()
