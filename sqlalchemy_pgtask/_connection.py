@@ -11,6 +11,9 @@ PostgreSQL through this module, so three things are decided once:
 * **what a task id is** (`parse_task_id`), the names of the notification channels, and how
   to LISTEN on them (`listening_connection`: a connection of the caller's engine, so its
   ``connect_args``, ``creator`` and events apply);
+* **how a statement runs on the caller's connection** (`translated_errors` given it): never
+  prepared on the server behind a transaction pooler (`sqlalchemy_pgtask._prepared`), so
+  every client function works behind PgBouncer in transaction mode;
 * **what a database error means** to the caller (`translated_errors`): a driver error the
   library understands (capacity, a missing schema, an idempotency key hidden by the
   caller's snapshot) becomes its typed error, raised ``from`` the driver error; anything else
@@ -39,6 +42,7 @@ from sqlalchemy.orm import Session, scoped_session
 
 from sqlalchemy_pgtask._asyncio import bounded, severing
 from sqlalchemy_pgtask._failures import SERIALIZATION_FAILURE
+from sqlalchemy_pgtask._prepared import unprepared
 from sqlalchemy_pgtask.errors import (
     IdempotencyConflict,
     InvalidOptionError,
@@ -237,8 +241,12 @@ def _translate(driver_error: BaseException | None, *, idempotent: bool) -> PgTas
 
 
 @contextmanager
-def translated_errors(*, idempotent: bool = False) -> Iterator[None]:
-    """Run the body, raising the library's typed error for a database error it understands.
+def translated_errors(
+    connection: Connection | None = None, *, idempotent: bool = False
+) -> Iterator[None]:
+    """Run the body, raising the library's typed error for a database error it understands;
+    with ``connection`` (the caller's), its statements are never prepared on the server if it
+    goes through a transaction pooler (`sqlalchemy_pgtask._prepared.unprepared`).
 
     Used around every statement a client function runs, so each database error is translated
     once, at the boundary, with the driver error attached as ``__cause__``: PT001 is
@@ -248,7 +256,8 @@ def translated_errors(*, idempotent: bool = False) -> Iterator[None]:
     a key reserved by a transaction committed after this one's snapshot cannot be returned.
     """
     try:
-        yield
+        with contextlib.nullcontext() if connection is None else unprepared(connection):
+            yield
     except DBAPIError as exc:
         translated = _translate(exc.orig, idempotent=idempotent)
         if translated is None:

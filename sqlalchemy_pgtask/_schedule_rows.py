@@ -130,7 +130,7 @@ def _audit_details(spec: ScheduleSpec, **extra: Any) -> dict[str, Any]:
 def write(
     connection: Connection, spec: ScheduleSpec, actor: str | None, declared: bool
 ) -> ScheduleInfo:
-    with translated_errors():
+    with translated_errors(connection):
         now = _now(connection)
         cursor = _first_cursor(spec, now)
         created = connection.execute(
@@ -179,7 +179,7 @@ def write(
 def change(
     connection: Connection, name: str, action: str, actor: str | None, reason: str | None
 ) -> ScheduleInfo:
-    with translated_errors():
+    with translated_errors(connection):
         row = connection.execute(
             select(_schedules).where(_schedules.c.name == name).with_for_update()
         ).mappings().first()
@@ -219,7 +219,7 @@ def read(connection: Connection, name: str | None, upcoming: int) -> list[Schedu
     query = select(_schedules).order_by(_schedules.c.name)
     if name is not None:
         query = query.where(_schedules.c.name == name)
-    with translated_errors():
+    with translated_errors(connection):
         return [_info(row, upcoming) for row in connection.execute(query).mappings()]
 
 

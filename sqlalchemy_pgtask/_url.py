@@ -24,9 +24,11 @@ from sqlalchemy_pgtask.errors import InvalidOptionError
 __all__ = ["database_url", "parse", "redacted"]
 
 #: ``scheme://[userinfo@]hosts[/database][?query]``: the userinfo reaches the last ``@`` before
-#: the host list (an unencoded password may hold one); the host list holds none, nor ``/?``.
+#: the first ``/`` or ``?`` (an unencoded password may hold an ``@``, never a ``/`` or ``?``,
+#: which RFC 3986 leaves to the path and query: an ``@`` there, as in
+#: ``?application_name=a@b``, is the query's); the host list holds none of ``/?@``.
 _AUTHORITY: Final = re.compile(
-    r"^(?P<scheme>[\w+.-]+)://(?:(?P<userinfo>.*)@)?(?P<hosts>[^/?@]*)(?P<rest>[/?].*)?$",
+    r"^(?P<scheme>[\w+.-]+)://(?:(?P<userinfo>[^/?]*)@)?(?P<hosts>[^/?@]*)(?P<rest>[/?].*)?$",
     re.DOTALL,
 )
 #: One entry of a host list: ``host``, ``host:port``, ``[ipv6]`` or ``[ipv6]:port``.
@@ -100,11 +102,21 @@ def _with_host_list(raw: str) -> URL | None:
             raise ValueError(f"port {port!r} of host {entry!r} is not a port number")
         hosts.append(urllib.parse.unquote(part["ipv6"] or part["name"] or ""))
         ports.append(port)
-    userinfo = f"{match['userinfo']}@" if match["userinfo"] is not None else ""
-    url = make_url(f"{match['scheme']}://{userinfo}{match['rest'] or ''}")
+    # make_url reads the userinfo only up to its first '@', and without a path up to an '@'
+    # of the query: the userinfo goes percent-encoded, and the query after a '/'.
+    userinfo = "" if match["userinfo"] is None else _encoded(match["userinfo"]) + "@"
+    rest = match["rest"] or ""
+    url = make_url(f"{match['scheme']}://{userinfo}{'/' if rest[:1] == '?' else ''}{rest}")
     if "host" in url.query or "port" in url.query:
         raise ValueError("hosts are given both before the database name and as ?host= or ?port=")
     query = {"host": ",".join(hosts)}
     if any(ports):
         query["port"] = ",".join(ports)  # an empty entry: that host's default port
     return url.update_query_dict(query)
+
+
+def _encoded(userinfo: str) -> str:
+    """``user[:password]`` with each part percent-encoded (as it reads, decoded first)."""
+    user, colon, password = userinfo.partition(":")
+    parts = [urllib.parse.quote(urllib.parse.unquote(part), safe="") for part in (user, password)]
+    return parts[0] + (f":{parts[1]}" if colon else "")

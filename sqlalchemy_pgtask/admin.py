@@ -49,7 +49,7 @@ def _retried(
     connection: Connection, task_id: uuid.UUID, actor: str | None, reason: str | None
 ) -> TaskState:
     params = {"task_id": task_id}
-    with translated_errors():
+    with translated_errors(connection):
         row = connection.execute(RETRY, params).first()
         if row is None:
             state = connection.execute(TASK_STATE, params).scalar_one_or_none()

@@ -179,7 +179,7 @@ def _audit_query(
 
 
 def _read(connection: Connection, query: Select[Any]) -> list[AuditRecord]:
-    with translated_errors():
+    with translated_errors(connection):
         return [AuditRecord(**row) for row in connection.execute(query).mappings()]
 
 

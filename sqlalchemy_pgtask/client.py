@@ -35,6 +35,7 @@ from sqlalchemy_pgtask._connection import (
     sync_session,
     translated_errors,
 )
+from sqlalchemy_pgtask._prepared import unprepared_async
 from sqlalchemy_pgtask._result_waiters import subscribed, subscribed_sync
 from sqlalchemy_pgtask.audit import audit_statement, check_actor, check_reason
 from sqlalchemy_pgtask.errors import TaskNotFound
@@ -88,7 +89,7 @@ def get_task(session: Session | scoped_session[Any], task_id: uuid.UUID | str) -
     """
     target = sync_session(session, "get_task")
     wanted = parse_task_id(task_id)
-    with translated_errors():
+    with translated_errors(connection_of(target)):
         return target.scalars(_with_relations(wanted)).unique().one_or_none()
 
 
@@ -98,8 +99,9 @@ async def get_task_async(
     """`get_task` for an `AsyncSession`: the relations are loaded, never lazily fetched."""
     target = async_session(session, "get_task")
     wanted = parse_task_id(task_id)
-    with translated_errors():
-        return (await target.scalars(_with_relations(wanted))).unique().one_or_none()
+    async with unprepared_async(await async_connection_of(target)):
+        with translated_errors():
+            return (await target.scalars(_with_relations(wanted))).unique().one_or_none()
 
 
 def _cancel_params(task_id: uuid.UUID | str) -> dict[str, uuid.UUID]:
@@ -112,7 +114,7 @@ def _cancelled(
     actor: str | None,
     reason: str | None,
 ) -> str | None:
-    with translated_errors():
+    with translated_errors(connection):
         row = connection.execute(statements.CANCEL, params).first()
         if row is None:
             return None
@@ -168,7 +170,7 @@ async def cancel_async(
 
 
 def _finished(session: Session, task_id: uuid.UUID) -> Task | None:
-    with translated_errors():
+    with translated_errors(connection_of(session)):
         task = session.execute(select(Task).where(Task.id == task_id)).scalar_one_or_none()
     if task is None:
         raise TaskNotFound(f"no task with id {task_id}")

@@ -67,7 +67,7 @@ __all__ = [
 
 
 def _explained(connection: Connection, task_id: uuid.UUID) -> Explanation:
-    with translated_errors():
+    with translated_errors(connection):
         facts = read_facts(connection, task_id)
     if facts is None:
         raise TaskNotFound(f"no task with id {task_id}")

@@ -278,7 +278,7 @@ _VERBATIM: Final = {"no_parameters": True}
 
 
 def _run(connection: Connection, statements: list[str]) -> None:
-    with translated_errors():
+    with translated_errors(connection):
         for statement in statements:
             # Role names are quoted identifiers (psycopg); there is nothing to bind, and
             # without parameters the driver leaves a '%' in a name alone.

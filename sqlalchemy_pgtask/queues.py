@@ -204,7 +204,6 @@ def _configure(
     actor: str | None,
     reason: str | None,
 ) -> dict[str, Any]:
-    _check_isolation(connection, values)
     queues = typing.cast(Table, Queue.__table__)
     # Locked, so the audit's "from" values are the ones this change replaces.
     locked = (
@@ -212,7 +211,8 @@ def _configure(
         .where(queues.c.name == name)
         .with_for_update(key_share=True)  # FOR NO KEY UPDATE
     )
-    with translated_errors():
+    with translated_errors(connection):  # the isolation's SHOW, too, unprepared behind a pooler
+        _check_isolation(connection, values)
         before = None
         if values:
             before = locked_queue_row(
@@ -368,7 +368,7 @@ def set_paused(
 
 
 def _read(connection: Connection) -> list[QueueSettings]:
-    with translated_errors():
+    with translated_errors(connection):
         rows = connection.execute(
             select(*_settings_columns()).order_by(Queue.name)
         ).mappings()

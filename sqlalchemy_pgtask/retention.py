@@ -42,6 +42,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask._connection import async_engine, sync_engine, translated_errors
 from sqlalchemy_pgtask._failures import brief, held_back
+from sqlalchemy_pgtask._failures import brief
+from sqlalchemy_pgtask._prepared import unprepared, unprepared_async
 from sqlalchemy_pgtask.statements import retention as retention_statements
 from sqlalchemy_pgtask.validation import (
     INT4_MAX,
@@ -347,7 +349,7 @@ def run_retention(
             step = next(steps)
             while True:
                 try:
-                    with connection.begin():
+                    with connection.begin(), unprepared(connection):
                         connection.execute(_BOUNDED)
                         rows = connection.execute(*step).all()
                 except DBAPIError as exc:
@@ -380,7 +382,7 @@ async def run_retention_async(
                 step = next(steps)
                 while True:
                     try:
-                        async with connection.begin():
+                        async with connection.begin(), unprepared_async(connection):
                             await connection.execute(_BOUNDED)
                             rows = (await connection.execute(*step)).all()
                     except DBAPIError as exc:

@@ -40,6 +40,7 @@ from sqlalchemy_pgtask._materialize import (
     materialize_in,
     plan_due,
 )
+from sqlalchemy_pgtask._prepared import unprepared_async
 from sqlalchemy_pgtask._schedule_rows import (
     UPCOMING,
     ScheduleInfo,
@@ -276,7 +277,7 @@ async def get_schedule_async(
 def _materialize(
     connection: Connection, limit: int, exclude: Sequence[str] = ()
 ) -> MaterializeReport:
-    with translated_errors():
+    with translated_errors(connection):
         return materialize_in(connection, limit, exclude)
 
 
@@ -285,10 +286,11 @@ async def _materialize_async(
 ) -> MaterializeReport:
     # The occurrences are computed in a thread: a cron expression in a time zone can take a
     # while, and the caller's event loop (a worker's renews leases) must not wait for it.
-    with translated_errors():
-        now, rows = await connection.run_sync(lock_due, limit, exclude)
-        planned = await asyncio.to_thread(plan_due, rows, now) if rows else []
-        return await connection.run_sync(apply_plans, planned, now)
+    async with unprepared_async(connection):
+        with translated_errors():
+            now, rows = await connection.run_sync(lock_due, limit, exclude)
+            planned = await asyncio.to_thread(plan_due, rows, now) if rows else []
+            return await connection.run_sync(apply_plans, planned, now)
 
 
 def write_declared(

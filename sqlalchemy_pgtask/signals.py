@@ -33,6 +33,7 @@ from sqlalchemy_pgtask._connection import (
     sync_bind,
     translated_errors,
 )
+from sqlalchemy_pgtask._prepared import unprepared, unprepared_async
 from sqlalchemy_pgtask.errors import PgTaskError, TaskNotFound, TaskNotVisible
 from sqlalchemy_pgtask.statements.admin import TASK_STATE
 from sqlalchemy_pgtask.validation import (
@@ -72,7 +73,7 @@ def _look_up(engine: Engine, task_id: uuid.UUID) -> bool | None:
     if not _separate(engine):
         return None
     try:
-        with engine.connect() as other:
+        with engine.connect() as other, unprepared(other):
             return other.execute(TASK_STATE, {"task_id": task_id}).first() is not None
     except Exception:  # an answer to improve an error, never a new error
         return None
@@ -83,7 +84,7 @@ async def _look_up_async(engine: AsyncEngine, task_id: uuid.UUID) -> bool | None
         return None
 
     async def read() -> bool:
-        async with engine.connect() as other:
+        async with engine.connect() as other, unprepared_async(other):
             found = await other.execute(TASK_STATE, {"task_id": task_id})
             return found.first() is not None
 
@@ -132,7 +133,7 @@ def emit_signal(
     target = sync_bind(bind, "emit_signal")
     params = _params(task_id, name, value, occurrence)
     connection = connection_of(target)
-    with translated_errors():
+    with translated_errors(connection):
         row = connection.execute(statements.EMIT_SIGNAL, params).one()
     if row.found:
         return row.value
@@ -152,8 +153,9 @@ async def emit_signal_async(
     target = async_bind(bind, "emit_signal")
     params = _params(task_id, name, value, occurrence)
     connection = await async_connection_of(target)
-    with translated_errors():
-        row = (await connection.execute(statements.EMIT_SIGNAL, params)).one()
+    async with unprepared_async(connection):
+        with translated_errors():
+            row = (await connection.execute(statements.EMIT_SIGNAL, params)).one()
     if row.found:
         return row.value
     task = params["task"]

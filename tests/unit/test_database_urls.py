@@ -56,6 +56,23 @@ def test_a_password_with_commas_and_at_signs_stays_the_password() -> None:
     assert params["host"] == "h1,h2"
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://u@h1,h2:5433/db?application_name=a@b",
+        "postgresql://u@h1,h2:5433?application_name=a@b",
+        "postgresql://u:p@ss@h1,h2:5433/db?application_name=a@b",
+    ],
+)
+def test_an_at_sign_in_the_query_of_a_host_list_stays_in_the_query(url: str) -> None:
+    # The userinfo reached the query's '@': the "hosts" were "b" (no list), so make_url
+    # got the whole string and failed on the port "5433/db?application_name=a".
+    params = connect_arguments(url)
+    assert (params["host"], params["port"], params["user"]) == ("h1,h2", ",5433", "u")
+    assert params["application_name"] == "a@b"
+    assert params.get("password") in (None, "p@ss")
+
+
 def test_a_single_host_url_is_unchanged_but_for_the_driver() -> None:
     url = database_url("postgresql+psycopg2://u:p@h:6432/db?sslmode=require")
     assert url.render_as_string(hide_password=False) == (
