@@ -42,7 +42,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask._connection import async_engine, sync_engine, translated_errors
 from sqlalchemy_pgtask._failures import brief, held_back
-from sqlalchemy_pgtask._failures import brief
 from sqlalchemy_pgtask._prepared import unprepared, unprepared_async
 from sqlalchemy_pgtask.statements import retention as retention_statements
 from sqlalchemy_pgtask.validation import (
