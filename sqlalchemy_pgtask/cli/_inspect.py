@@ -130,6 +130,7 @@ def show_status(args: argparse.Namespace) -> int:
             status.live_workers(connection),
             status.queue_status(connection),
             status.unroutable(connection),
+            status.held_back(connection),
         )
 
     _print(in_transaction(args, read, read_only=True))

@@ -23,6 +23,7 @@ from sqlalchemy_pgtask._logging import escape_controls as printable
 from sqlalchemy_pgtask.audit import AuditRecord
 from sqlalchemy_pgtask.status import (
     AttemptInfo,
+    HeldBack,
     QueueSettings,
     QueueStatus,
     StepInfo,
@@ -69,9 +70,11 @@ def _indented(lines: Iterable[str], depth: int) -> list[str]:
 
 
 def status_lines(
-    workers: Sequence[WorkerInfo], queues: Sequence[QueueStatus], stuck: Sequence[Unroutable]
+    workers: Sequence[WorkerInfo], queues: Sequence[QueueStatus], stuck: Sequence[Unroutable],
+    held: Sequence[HeldBack] = (),
 ) -> list[str]:
-    """``pgtask status``: live workers, every queue, and pending work no live worker can run."""
+    """``pgtask status``: live workers, every queue, pending work no live worker can run, and
+    work background passes have held back (`status.held_back`)."""
     out = [f"live workers: {len(workers)}"]
     for w in workers:
         flag = " (draining)" if w.draining else ""
@@ -102,6 +105,7 @@ def status_lines(
     if stuck:
         out.append("pending tasks no live worker can run:")
         out += [f"  {u.queue} {u.name} v{u.version}: {u.count}" for u in stuck]
+    out += [f"held back: {h.message}" for h in held]
     return out
 
 

@@ -7,6 +7,8 @@ like: nothing here needs more.
 
 The one question these answer that the tables alone do not: is there pending work that no
 live worker can run (an unknown task name or handler version, or no worker on the queue)?
+And its companion, `held_back`: is there work a background pass should have handled by now
+(a due wait timeout, an expired lease) and has not?
 """
 
 from __future__ import annotations
@@ -14,6 +16,13 @@ from __future__ import annotations
 from sqlalchemy_pgtask._connection import parse_task_id
 from sqlalchemy_pgtask.queues import QueueSettings
 from sqlalchemy_pgtask.status._durable import StepInfo, TaskRef, WaitInfo, WaitKind
+from sqlalchemy_pgtask.status._held import (
+    HELD_BACK_AFTER,
+    HELD_BACK_COUNT_MAX,
+    HeldBack,
+    HeldBackKind,
+    held_back,
+)
 from sqlalchemy_pgtask.status._overview import (
     QueueStatus,
     Unroutable,
@@ -35,8 +44,12 @@ from sqlalchemy_pgtask.status._tasks import (
 )
 
 __all__ = [
+    "HELD_BACK_AFTER",
+    "HELD_BACK_COUNT_MAX",
     "LIST_LIMIT_MAX",
     "AttemptInfo",
+    "HeldBack",
+    "HeldBackKind",
     "QueueSettings",
     "QueueStatus",
     "StepInfo",
@@ -48,6 +61,7 @@ __all__ = [
     "WaitKind",
     "WorkerInfo",
     "check_list_filters",
+    "held_back",
     "list_tasks",
     "live_workers",
     "parse_task_id",

@@ -20,7 +20,13 @@ from sqlalchemy_pgtask.cli._render import (
     task_list_lines,
     when,
 )
-from sqlalchemy_pgtask.status import AttemptInfo, QueueStatus, TaskDetail, TaskSummary
+from sqlalchemy_pgtask.status import (
+    AttemptInfo,
+    HeldBack,
+    QueueStatus,
+    TaskDetail,
+    TaskSummary,
+)
 
 NOW = datetime(2024, 5, 1, 14, 0, 0, 123456, tzinfo=timezone(timedelta(hours=2)))
 TASK_ID = uuid.UUID("0190f6c1-7d2e-7c41-9a55-3f1e0e8b9a10")
@@ -136,6 +142,19 @@ def test_status_without_workers_or_queues() -> None:
     assert status_lines([], [queue], [])[2:] == [
         "  q: 0 pending (0 due), 0 running, 0 waiting",
         "    finished: 1 succeeded, 0 failed, 0 cancelled; capacity unlimited; not paused",
+    ]
+
+
+def test_status_names_the_oldest_task_of_work_held_back() -> None:
+    held = [
+        HeldBack("wait_timeout", 2, TASK_ID, 34.4),
+        HeldBack("expired_lease", 1000, WORKER_ID, 61.0),
+    ]
+    assert status_lines([], [], [], held)[2:] == [
+        f"held back: 2 wait timeouts overdue (oldest task {TASK_ID}, 34 s;"
+        f" see `pgtask explain {TASK_ID}`)",
+        f"held back: 1000+ expired leases overdue (oldest task {WORKER_ID}, 61 s;"
+        f" see `pgtask explain {WORKER_ID}`)",
     ]
 
 
