@@ -1,14 +1,14 @@
-"""_prepared: the enqueue statements behind a connection pooler, never server-side prepared.
+"""_prepared: behind a pooler, the library's statements are never server-side prepared.
 
 psycopg prepares a statement (``_pg3_N``) once it ran five times on a connection. Behind a
 transaction pooler (PgBouncer before 1.21, or without ``max_prepared_statements``) the next
 transaction may run on another server connection: "prepared statement does not exist",
 `DuplicatePreparedStatement`, or another client's ``_pg3_N`` bound to ours ("bind message
 supplies 14 parameters, but prepared statement requires 11"), or even run in its place. The
-enqueue statements run on the caller's engine, which may well go through such a pooler, so
-there they are never prepared, and the caller's own ``prepare_threshold`` is put back for its
-own statements. On a connection of its own psycopg prepares as usual (a generic plan, no
-re-planning).
+library's calls (enqueue, signals, cancel, retry, queue and schedule changes, reads) run on
+the caller's engine, which may well go through such a pooler, so there they are never
+prepared, and the caller's own ``prepare_threshold`` is put back for its own statements.
+On a connection of its own psycopg prepares as usual (a generic plan, no re-planning).
 
 A pooler is recognised once per physical connection, by one ``SELECT pg_backend_pid()`` in
 the caller's transaction (sent to psycopg directly, so statement listeners and echo do not
