@@ -9,6 +9,7 @@ from typing import Final, Literal, get_args
 
 from sqlalchemy_pgtask.errors import InvalidOptionError
 from sqlalchemy_pgtask.validation import check_queue_name
+from sqlalchemy_pgtask.worker._deadlines import quick_deadline
 from sqlalchemy_pgtask.worker._stuck import ON_STUCK_HANDLER, OnStuckHandler
 
 __all__ = ["EVENT_LOOPS", "MAX_DURATION_SECONDS", "EventLoop", "WorkerOptions"]
@@ -193,13 +194,9 @@ class WorkerOptions:
     def health_timeout_seconds(self) -> float:
         """`health_timeout`, or its default: the lease, at least twice the hot statements'
         deadline (the idle listener's round trips come that often)."""
-        if self.on_stuck_handler not in ON_STUCK_HANDLER:
-            raise InvalidOptionError(
-                "on_stuck_handler", f"must be 'warn' or 'exit', got {self.on_stuck_handler!r}"
-            )
         if self.health_timeout is not None:
             return self.health_timeout
-        quick = min(max(self.lease_duration / 3, 2.0), self.statement_timeout + 5.0)
+        quick = quick_deadline(self.lease_duration, self.statement_timeout)
         return max(self.lease_duration, 2 * quick)
 
     @property
