@@ -98,7 +98,11 @@ async def _watchdog(url: str, lease: float, marks: _Marks) -> float:
         finally:
             ended.append(time.monotonic())
 
-    options = WorkerOptions(lease_duration=lease, poll_interval=30.0, shutdown_grace=1.0)
+    # One durable connection: the second step runs on the connection the first opened, so the
+    # stop meets a statement in flight on the dead path (not a connect, which ends at once).
+    options = WorkerOptions(
+        lease_duration=lease, poll_interval=30.0, shutdown_grace=1.0, durable_connections=1
+    )
     from sqlalchemy.ext.asyncio import create_async_engine
 
     engine = create_async_engine(url)
