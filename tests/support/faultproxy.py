@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 __all__ = ["FaultProxy", "fault_proxy"]
@@ -41,6 +41,10 @@ class FaultProxy:
     dropped: int = 0
     _rules: list[_Rule] = field(default_factory=list)
     _dropped_event: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Every proxied connection's ``close_all``: the proxy's end breaks them all, since
+    #: ``Server.close`` leaves open connections (a worker may leave one behind on a dead
+    #: path), whose sockets would otherwise outlive the test's event loop.
+    _open: set[Callable[[], None]] = field(default_factory=set)
 
     def drop_before(self, marker: bytes, *, times: int = 1) -> None:
         """Break the next ``times`` connections that send ``marker``, before the server sees it."""
@@ -82,9 +86,12 @@ class FaultProxy:
 
         def close_all() -> None:
             done.set()
+            self._open.discard(close_all)
             for writer in (client_w, server_w):
                 with contextlib.suppress(Exception):
                     writer.transport.abort()
+
+        self._open.add(close_all)
 
         async def client_to_server() -> None:
             while not done.is_set():
@@ -134,5 +141,7 @@ async def fault_proxy(host: str, port: int) -> AsyncIterator[FaultProxy]:
         yield proxy
     finally:
         server.close()
+        for close_all in list(proxy._open):
+            close_all()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(server.wait_closed(), 5)
