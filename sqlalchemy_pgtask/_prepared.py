@@ -56,6 +56,17 @@ def _without_preparing(driver: Any, pooled: bool) -> Iterator[None]:
         driver.prepare_threshold = threshold
 
 
+def _remember(driver: Any, pid: int | None) -> bool:
+    """Whether ``driver`` goes through a pooler, from the server process its probe named
+    (None: the probe failed; unknown, so assumed pooled and not remembered: the statement
+    itself then fails through SQLAlchemy)."""
+    if pid is None:
+        return True
+    pooled: bool = pid != driver.info.backend_pid
+    _POOLED[driver] = pooled
+    return pooled
+
+
 @contextmanager
 def unprepared(connection: Connection) -> Iterator[None]:
     """Run the body without server-side prepared statements if ``connection`` goes through a
@@ -77,9 +88,8 @@ def unprepared(connection: Connection) -> Iterator[None]:
             finally:
                 cursor.close()
         except psycopg.Error:
-            pooled = True  # unknown; the statement itself then fails through SQLAlchemy
-        else:
-            pooled = _POOLED[driver] = pid != driver.info.backend_pid
+            pid = None
+        pooled = _remember(driver, pid)
     with _without_preparing(driver, pooled):
         yield
 
@@ -96,8 +106,7 @@ async def unprepared_async(connection: AsyncConnection) -> AsyncIterator[None]:
         try:
             pid = (await (await driver.execute(_BACKEND_PID, prepare=False)).fetchone())[0]
         except psycopg.Error:
-            pooled = True
-        else:
-            pooled = _POOLED[driver] = pid != driver.info.backend_pid
+            pid = None
+        pooled = _remember(driver, pid)
     with _without_preparing(driver, pooled):
         yield
