@@ -29,7 +29,7 @@ TOKEN_ENV: Final = "PGTASK_DASHBOARD_TOKEN"  # noqa: S105 - a variable name, not
 _INSTALL: Final = 'pip install "sqlalchemy-pgtask[dashboard]"'
 #: Import names of the extra's packages.
 _NEEDS: Final = ("starlette", "jinja2", "multipart", "uvicorn")
-#: Seconds a client has to send a request head (`cli._serve` bounds the rest).
+#: Seconds a client has to send a request, head and body (`cli._serve` bounds the rest).
 _HEAD_TIMEOUT: Final = 10.0
 
 
@@ -164,6 +164,6 @@ def add_commands(commands: Any) -> None:
     )
     command.add_argument(
         "--head-timeout", metavar="SECONDS", type=positive_seconds, default=_HEAD_TIMEOUT,
-        help="seconds a client has to send a request head (default: %(default)s)",
+        help="seconds a client has to send a request, head and body (default: %(default)s)",
     )
     command.set_defaults(handler=dashboard)

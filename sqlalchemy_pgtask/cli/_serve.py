@@ -5,14 +5,14 @@ connections it holds, so clients that connect and send nothing (or a byte a minu
 until the process runs out of file descriptors, and then nobody gets a page. As the worker's
 metrics server does (`sqlalchemy_pgtask.worker._http`), every connection here is bounded:
 
-* in time: a request head must be complete `head_timeout` seconds after the connection was
-  made or its previous response was sent, and a kept-alive connection with nothing to do is
-  closed after `KEEP_ALIVE` seconds (uvicorn's own timer);
+* in time: a request (its head and its body) must be complete `head_timeout` seconds after
+  the connection was made or its previous response was sent, and a kept-alive connection with
+  nothing to do is closed after `KEEP_ALIVE` seconds (uvicorn's own timer);
 * in size: a head larger than `HEAD_LIMIT` is refused (h11's limit, set here explicitly);
-* in count: at most `connection_cap` connections are open; one more closes the oldest that has
-  no request running, or is closed itself if every one has. The cap stays below the file
-  descriptor limit (raised to the hard limit first), so the listening socket and the database
-  pool always have descriptors left and a new visitor is always accepted.
+* in count: at most `connection_cap` connections are open; one more closes the oldest that is
+  not answering a request it received whole, or is closed itself if every one is. The cap
+  stays below the file descriptor limit (raised to the hard limit first), so the listening
+  socket and the database pool always have descriptors left and a new visitor is accepted.
 
 The socket is bound here, before uvicorn starts, so an address in use or a host that does not
 resolve is an `OSError` the command reports in one line, rather than uvicorn's log and exit 3.
@@ -98,7 +98,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class _LimitedH11(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on each request head and a shared cap on open
+    """uvicorn's h11 protocol with a deadline on each request and a shared cap on open
     connections; `limited_protocol` makes a subclass holding the settings and the register."""
 
     head_timeout: ClassVar[float] = 10.0
@@ -115,7 +115,7 @@ class _LimitedH11(H11Protocol):
         if len(self.open) >= self.cap:
             idle = next((other for other in self.open if not other._busy()), None)
             if idle is None:
-                transport.close()  # every one is being answered: this one waits for none
+                transport.close()  # every one is being answered: none waits for this one
                 return
             del self.open[idle]
             idle._close()
@@ -136,8 +136,11 @@ class _LimitedH11(H11Protocol):
         self._watch()
 
     def _busy(self) -> bool:
-        """Whether a request is being answered (its head arrived, its response is not sent)."""
-        return self.cycle is not None and not self.cycle.response_complete
+        """Whether a request is being answered: received whole (head and body), its response
+        not sent. A body that never ends would otherwise hold the connection as surely as a
+        head that never ends."""
+        cycle = self.cycle
+        return cycle is not None and not cycle.response_complete and not cycle.more_body
 
     def _watch(self) -> None:
         if self._busy():

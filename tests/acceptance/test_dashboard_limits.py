@@ -29,6 +29,11 @@ STARTUP_TIMEOUT: Final = 30.0
 FD_LIMIT: Final = 256
 #: The start of a request whose head never ends (no blank line).
 UNFINISHED: Final = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
+#: A whole head whose body never comes.
+NO_BODY: Final = (
+    b"POST /login HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    b"Content-Type: application/x-www-form-urlencoded\r\nContent-Length: 4096\r\n\r\ntoken="
+)
 
 
 def _small_fd_limit() -> None:
@@ -65,11 +70,12 @@ def limited(tmp_path: Path) -> Iterator[Callable[..., DashboardProcess]]:
 
 
 @pytest.fixture
-def slow_clients() -> Iterator[Callable[[int, int], list[socket.socket]]]:
-    """Open COUNT connections to PORT that each send an unfinished head; all closed at the end."""
+def slow_clients() -> Iterator[Callable[..., list[socket.socket]]]:
+    """Open COUNT connections to PORT that each send SENT (an unfinished head); all closed at
+    the end."""
     opened: list[socket.socket] = []
 
-    def open_(port: int, count: int) -> list[socket.socket]:
+    def open_(port: int, count: int, sent: bytes = UNFINISHED) -> list[socket.socket]:
         batch: list[socket.socket] = []
         for _ in range(count):
             client = socket.socket()
@@ -77,7 +83,7 @@ def slow_clients() -> Iterator[Callable[[int, int], list[socket.socket]]]:
             client.settimeout(10.0)
             try:
                 client.connect(("127.0.0.1", port))
-                client.sendall(UNFINISHED)
+                client.sendall(sent)
             except OSError:
                 continue  # the server closed it to make room: what it is meant to do
             batch.append(client)
@@ -103,7 +109,7 @@ def _closed_by_server(client: socket.socket) -> bool:
 def test_pages_answer_while_more_unfinished_heads_are_open_than_descriptors(
     db: Database,
     limited: Callable[..., DashboardProcess],
-    slow_clients: Callable[[int, int], list[socket.socket]],
+    slow_clients: Callable[..., list[socket.socket]],
 ) -> None:
     # A head timeout far beyond the test: only the connection cap can keep pages answering.
     dashboard = limited(db.url, "--head-timeout", "600")
@@ -116,17 +122,19 @@ def test_pages_answer_while_more_unfinished_heads_are_open_than_descriptors(
     assert dashboard.process.poll() is None, dashboard.describe()
 
 
-def test_an_unfinished_head_is_closed_after_the_head_timeout(
+@pytest.mark.parametrize("sent", [UNFINISHED, NO_BODY], ids=["head", "body"])
+def test_an_unfinished_request_is_closed_after_the_head_timeout(
     db: Database,
     limited: Callable[..., DashboardProcess],
-    slow_clients: Callable[[int, int], list[socket.socket]],
+    slow_clients: Callable[..., list[socket.socket]],
+    sent: bytes,
 ) -> None:
     dashboard = limited(db.url, "--head-timeout", "1")
     port = int(dashboard.url.rsplit(":", 1)[1])
-    clients = slow_clients(port, 10)
+    clients = slow_clients(port, 10, sent)
     assert len(clients) == 10  # far below the cap: none closed to make room
     wait_until(lambda: all(_closed_by_server(client) for client in clients), 15.0,
-               interval=0.1, message="the server to close every unfinished head",
+               interval=0.1, message="the server to close every unfinished request",
                describe=dashboard.describe)
     assert dashboard.answers()
 
