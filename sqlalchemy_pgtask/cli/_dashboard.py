@@ -21,7 +21,7 @@ from sqlalchemy import create_engine
 from sqlalchemy_pgtask import SchemaNotInstalled, status
 from sqlalchemy_pgtask.cli._connection import URL_ENV, database_url
 from sqlalchemy_pgtask.cli._errors import EXIT_OK, UsageError
-from sqlalchemy_pgtask.cli._types import int_between
+from sqlalchemy_pgtask.cli._types import int_between, positive_seconds
 
 __all__ = ["TOKEN_ENV", "add_commands", "dashboard"]
 
@@ -29,14 +29,14 @@ TOKEN_ENV: Final = "PGTASK_DASHBOARD_TOKEN"  # noqa: S105 - a variable name, not
 _INSTALL: Final = 'pip install "sqlalchemy-pgtask[dashboard]"'
 #: Import names of the extra's packages.
 _NEEDS: Final = ("starlette", "jinja2", "multipart", "uvicorn")
+#: Seconds a client has to send a request, head and body (`cli._serve` bounds the rest).
+_HEAD_TIMEOUT: Final = 10.0
 
 
 def dashboard(args: argparse.Namespace) -> int:
     missing = [name for name in _NEEDS if importlib.util.find_spec(name) is None]
     if missing:
         raise UsageError(f"the dashboard needs {', '.join(missing)}: {_INSTALL}")
-    import uvicorn
-
     from sqlalchemy_pgtask.dashboard import create_app
 
     token = args.admin_token or os.environ.get(TOKEN_ENV) or None
@@ -56,18 +56,34 @@ def dashboard(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 raise UsageError(str(exc)) from exc
             mode = "actions need the admin token" if token else "read-only: no admin token"
-            print(f"pgtask dashboard on http://{args.host}:{args.port}/ ({mode})", flush=True)
-            # uvicorn trusts X-Forwarded-For from loopback peers unless told otherwise: behind a
-            # tunnel or a proxy that passes the client's header on, every wrong token could
-            # name a fresh address and never be throttled.
-            proxies = args.forwarded_allow_ips
-            uvicorn.run(
-                app, host=args.host, port=args.port, log_level=args.log_level,
-                proxy_headers=proxies is not None, forwarded_allow_ips=proxies,
-            )
+            _serve(app, args, mode)
     finally:
         engine.dispose()
     return EXIT_OK
+
+
+def _serve(app: Any, args: argparse.Namespace, mode: str) -> None:
+    import uvicorn
+
+    from sqlalchemy_pgtask.cli import _serve as limits
+
+    cap = limits.connection_cap()
+    listener = limits.bind(args.host, args.port)  # an OSError: one line, exit 1
+    with listener:
+        port = listener.getsockname()[1]
+        print(f"pgtask dashboard on http://{args.host}:{port}/ ({mode})", flush=True)
+        # uvicorn trusts X-Forwarded-For from loopback peers unless told otherwise: behind a
+        # tunnel or a proxy that passes the client's header on, every wrong token could
+        # name a fresh address and never be throttled.
+        proxies = args.forwarded_allow_ips
+        config = uvicorn.Config(
+            app, host=args.host, port=port, log_level=args.log_level,
+            proxy_headers=proxies is not None, forwarded_allow_ips=proxies,
+            http=limits.limited_protocol(args.head_timeout, cap), ws="none",
+            timeout_keep_alive=limits.KEEP_ALIVE, backlog=limits.BACKLOG,
+            h11_max_incomplete_event_size=limits.HEAD_LIMIT,
+        )
+        uvicorn.Server(config).run(sockets=[listener])
 
 
 class _Stop(BaseException):
@@ -145,5 +161,9 @@ def add_commands(commands: Any) -> None:
     command.add_argument(
         "--log-level", choices=("debug", "info", "warning", "error"), default="info",
         help="uvicorn's log level (default: %(default)s)",
+    )
+    command.add_argument(
+        "--head-timeout", metavar="SECONDS", type=positive_seconds, default=_HEAD_TIMEOUT,
+        help="seconds a client has to send a request, head and body (default: %(default)s)",
     )
     command.set_defaults(handler=dashboard)

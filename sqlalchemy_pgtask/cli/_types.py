@@ -6,7 +6,7 @@ import argparse
 import math
 from collections.abc import Callable
 
-__all__ = ["int_between", "seconds"]
+__all__ = ["int_between", "positive_seconds", "seconds"]
 
 
 def seconds(text: str) -> float:
@@ -19,6 +19,14 @@ def seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds, got {text!r}")
     if value < 0:
         raise argparse.ArgumentTypeError(f"must not be negative, got {text!r}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds above zero."""
+    value = seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be more than 0 seconds")
     return value
 
 
