@@ -12,9 +12,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from sqlalchemy import Connection, Engine, select, text
+from sqlalchemy import Connection, Engine, create_engine, select, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.orm import Session
 
 from sqlalchemy_pgtask import (
     cancel,
@@ -227,3 +228,20 @@ async def test_async_changes_whose_audit_entry_fails_do_not_commit(
         assert queue_limit(pgtask_engine, "emails") is None
         assert await cancel_async(conn, pending) == "cancelled"
         assert task_state(pgtask_engine, pending) == "cancelled"
+
+
+def test_a_session_on_an_autocommit_engine_keeps_the_change_and_entry_together(
+    pgtask_database_url: str, pgtask_engine: Engine
+) -> None:
+    # AUTOCOMMIT asked for by create_engine rather than an execution option, through a Session.
+    engine = create_engine(pgtask_database_url, isolation_level="AUTOCOMMIT")
+    task_id = pending_task(pgtask_engine)
+    try:
+        with Session(engine) as session:
+            refused(pgtask_engine, lambda: cancel(session, task_id))
+            assert task_state(pgtask_engine, task_id) == "pending"
+            session.rollback()
+            pause_queue(session, "emails")
+            assert paused(pgtask_engine, "emails") is True  # committed by the call itself
+    finally:
+        engine.dispose()
