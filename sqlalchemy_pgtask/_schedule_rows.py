@@ -23,6 +23,7 @@ from sqlalchemy import Connection, Table, cast, delete, func, literal, select, u
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
+from sqlalchemy_pgtask._atomic import audited_unit
 from sqlalchemy_pgtask._connection import READY_CHANNEL, WAKE_ALL, translated_errors
 from sqlalchemy_pgtask._cron import Recurrence, RecurrenceError
 from sqlalchemy_pgtask._schedule_spec import DEFINITION_FIELDS, ScheduleSpec
@@ -130,7 +131,7 @@ def _audit_details(spec: ScheduleSpec, **extra: Any) -> dict[str, Any]:
 def write(
     connection: Connection, spec: ScheduleSpec, actor: str | None, declared: bool
 ) -> ScheduleInfo:
-    with translated_errors(connection):
+    with audited_unit(connection), translated_errors(connection):
         now = _now(connection)
         cursor = _first_cursor(spec, now)
         created = connection.execute(
@@ -179,7 +180,7 @@ def write(
 def change(
     connection: Connection, name: str, action: str, actor: str | None, reason: str | None
 ) -> ScheduleInfo:
-    with translated_errors(connection):
+    with audited_unit(connection), translated_errors(connection):
         row = connection.execute(
             select(_schedules).where(_schedules.c.name == name).with_for_update()
         ).mappings().first()

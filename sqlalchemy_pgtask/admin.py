@@ -6,7 +6,9 @@
 
 Cancellation (`sqlalchemy_pgtask.cancel`) and queue settings (`configure_queue`) are audited
 the same way. Each function writes its change and its audit entry (`sqlalchemy_pgtask.audit`)
-in the caller's transaction: the entry exists exactly when the change committed. A refused
+in the caller's transaction (on an AUTOCOMMIT connection, in one of its own that commits
+before the call returns, `sqlalchemy_pgtask._atomic`): the entry exists exactly when the
+change committed. A refused
 call (an unknown task, a task that cannot be retried, a full queue) writes neither. The actor
 is free text (1 to 255 bytes), say an operator's login; without one, the database role
 making the change is recorded. See docs/admin.md.
@@ -18,6 +20,7 @@ import uuid
 
 from sqlalchemy import Connection
 
+from sqlalchemy_pgtask._atomic import audited_unit
 from sqlalchemy_pgtask._connection import (
     AsyncBind,
     SyncBind,
@@ -49,7 +52,7 @@ def _retried(
     connection: Connection, task_id: uuid.UUID, actor: str | None, reason: str | None
 ) -> TaskState:
     params = {"task_id": task_id}
-    with translated_errors(connection):
+    with audited_unit(connection), translated_errors(connection):
         row = connection.execute(RETRY, params).first()
         if row is None:
             state = connection.execute(TASK_STATE, params).scalar_one_or_none()

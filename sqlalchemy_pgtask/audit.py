@@ -2,7 +2,8 @@
 
 Every administrative change (retry, cancel, queue pause/resume/configure, schedule changes)
 writes one entry in the same transaction as the change itself: the entry exists exactly when
-the change committed. The log is append-only: a trigger refuses UPDATE, DELETE and TRUNCATE.
+the change committed, on an AUTOCOMMIT connection too (`sqlalchemy_pgtask._atomic`). The log
+is append-only: a trigger refuses UPDATE, DELETE and TRUNCATE.
 An entry names its actor; without one, the database role that made the change is recorded.
 Nothing deletes entries: the log has no retention (see docs/admin.md).
 

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session, joinedload, scoped_session, selectinload
 
 from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask._asyncio import first
+from sqlalchemy_pgtask._atomic import audited_unit
 from sqlalchemy_pgtask._connection import (
     AsyncBind,
     SyncBind,
@@ -114,7 +115,7 @@ def _cancelled(
     actor: str | None,
     reason: str | None,
 ) -> str | None:
-    with translated_errors(connection):
+    with audited_unit(connection), translated_errors(connection):
         row = connection.execute(statements.CANCEL, params).first()
         if row is None:
             return None

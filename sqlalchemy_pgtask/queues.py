@@ -28,6 +28,7 @@ from typing import Any, Final
 from sqlalchemy import Connection, Table, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
+from sqlalchemy_pgtask._atomic import audited_unit
 from sqlalchemy_pgtask._connection import (
     AsyncBind,
     SyncBind,
@@ -211,7 +212,9 @@ def _configure(
         .where(queues.c.name == name)
         .with_for_update(key_share=True)  # FOR NO KEY UPDATE
     )
-    with translated_errors(connection):  # the isolation's SHOW, too, unprepared behind a pooler
+    # The isolation's SHOW, too, unprepared behind a pooler, and inside the unit: on an
+    # AUTOCOMMIT connection the check then reads the level of the unit's own transaction.
+    with audited_unit(connection), translated_errors(connection):
         _check_isolation(connection, values)
         before = None
         if values:

@@ -28,7 +28,7 @@ from sqlalchemy_pgtask import (
     get_task,
     get_task_async,
 )
-from sqlalchemy_pgtask.models import Signal, Task
+from sqlalchemy_pgtask.models import AuditEntry, Signal, Task
 from tests.support.pgbouncer import transaction_pooler
 from tests.support.workerproc import Database
 
@@ -152,3 +152,45 @@ def test_a_direct_connection_keeps_preparing_the_library_statements(db: Database
 def _prepared_count(connection: Connection) -> int:
     count = connection.exec_driver_sql("SELECT count(*) FROM pg_prepared_statements")
     return int(count.scalar_one())
+
+
+def test_autocommit_cancels_through_a_transaction_pooler_commit_with_their_audit_entries(
+    pooled_url: str, db: Database
+) -> None:
+    # A test-only trigger refuses the audit entries of actor "refused": those cancels must not
+    # commit. Each call's own BEGIN ... COMMIT keeps it on one server connection of the pooler.
+    with db.engine.begin() as connection:
+        connection.exec_driver_sql(
+            "CREATE FUNCTION public.refuse_some_audit() RETURNS trigger LANGUAGE plpgsql AS"
+            " $$ BEGIN IF NEW.actor = 'refused' THEN RAISE EXCEPTION 'audit refused';"
+            " END IF; RETURN NEW; END $$;"
+            " CREATE TRIGGER refuse_some_audit BEFORE INSERT ON pgtask.audit_log"
+            " FOR EACH ROW EXECUTE FUNCTION public.refuse_some_audit()"
+        )
+    doomed = db.enqueue("job", count=THREADS * PER_THREAD)
+    engine = create_engine(
+        pooled_url, pool_size=THREADS, max_overflow=0, isolation_level="AUTOCOMMIT"
+    )
+    refusals: list[int] = []
+
+    def work(index: int, n: int) -> None:
+        actor = "refused" if n % 2 else "ann"
+        with engine.connect() as connection:
+            try:
+                cancel(connection, doomed[index * PER_THREAD + n], actor=actor)
+            except Exception as exc:
+                if "audit refused" not in str(exc):
+                    raise
+                refusals.append(n)
+
+    try:
+        failures = _concurrently(work)
+    finally:
+        engine.dispose()
+    assert not failures, [repr(f) for f in failures[:3]]
+    assert len(refusals) == THREADS * PER_THREAD // 2
+    with db.engine.connect() as connection:
+        entries = connection.execute(
+            select(func.count()).select_from(AuditEntry).where(AuditEntry.action == "task.cancel")
+        ).scalar_one()
+    assert _counts(db)[1] == entries == THREADS * PER_THREAD // 2
