@@ -7,7 +7,9 @@ Each attack logs in as the role and writes plain SQL the role's column grants le
   key columns to take over an expired reservation);
 * a worker deleting a task that has not finished (it holds DELETE on tasks for retention);
 * a worker rewriting a checkpoint (it holds UPDATE (value) for the first-value-wins upsert);
-* an administrator numbering or dating its own audit entry.
+* an administrator numbering or dating its own audit entry;
+* a producer in a REPEATABLE READ transaction naming a queue in ``pgtask.checked_queues``,
+  which ``pgtask.queues_current()`` trusted as already checked against a newer limit.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import DBAPIError
 
-from sqlalchemy_pgtask import cancel, enqueue
+from sqlalchemy_pgtask import cancel, configure_queue, enqueue
+from sqlalchemy_pgtask._failures import is_serialization_failure
 from tests.support.roles import DENIED, login_roles, role_engine, sqlstate_of
 
 KEY_REFUSED = "PT007"
@@ -169,3 +172,59 @@ def test_an_admin_cannot_number_or_date_its_own_audit_entry(
         ).scalars().all()
     assert rows == [True]
 
+
+def test_a_producer_cannot_skip_the_snapshot_check_of_a_queue_it_names_in_a_setting(
+    pgtask_database_url: str, pgtask_engine: Engine
+) -> None:
+    with pgtask_engine.begin() as owner:
+        enqueue(owner, "job", queue="limited")
+    with (
+        login_roles(pgtask_database_url) as roles,
+        role_engine(pgtask_database_url, roles.producer) as producer,
+    ):
+        stale = producer.execution_options(isolation_level="REPEATABLE READ")
+        with stale.connect() as connection:
+            connection.execute(text("SELECT 1"))  # the snapshot, before the limit
+            connection.execute(text("SET LOCAL pgtask.checked_queues = 'limited'"))
+            with pgtask_engine.begin() as owner:
+                configure_queue(owner, "limited", max_outstanding_tasks=1)
+            with pytest.raises(DBAPIError) as caught:
+                enqueue(connection, "job", queue="limited")
+            assert is_serialization_failure(caught.value)
+            connection.rollback()
+    with pgtask_engine.connect() as connection:
+        count = connection.execute(text("SELECT count(*) FROM pgtask.tasks")).scalar_one()
+    assert count == 1
+
+
+def test_the_record_of_checked_queues_is_not_the_producers_to_write_or_forge(
+    pgtask_database_url: str, pgtask_engine: Engine
+) -> None:
+    with pgtask_engine.begin() as owner:
+        enqueue(owner, "job", queue="limited")
+    with (
+        login_roles(pgtask_database_url) as roles,
+        role_engine(pgtask_database_url, roles.producer) as producer,
+    ):
+        stale = producer.execution_options(isolation_level="REPEATABLE READ")
+        with stale.connect() as connection:
+            enqueue(connection, "job", queue="other")  # the owner's record now exists
+            with pytest.raises(DBAPIError) as caught:
+                connection.execute(
+                    text("INSERT INTO pg_temp.pgtask_checked_queues VALUES ('limited')")
+                )
+            assert sqlstate_of(caught.value) == DENIED
+            connection.rollback()
+        with stale.connect() as connection:
+            # A table of that name of the producer's own, made before the owner's.
+            connection.execute(text("DISCARD TEMP"))
+            connection.execute(text(
+                "CREATE TEMPORARY TABLE pgtask_checked_queues (name text PRIMARY KEY)"
+            ))
+            connection.execute(text("INSERT INTO pgtask_checked_queues VALUES ('limited')"))
+            with pgtask_engine.begin() as owner:
+                configure_queue(owner, "limited", max_outstanding_tasks=1)
+            with pytest.raises(DBAPIError) as caught:
+                enqueue(connection, "job", queue="limited")
+            assert is_serialization_failure(caught.value)
+            connection.rollback()

@@ -21,6 +21,14 @@ cascades and the ``SECURITY DEFINER`` trigger helpers run as the owner):
   with ``created_at`` now and no ``expires_at``; and ``idempotency_keys_taken_task``, a
   constraint trigger checked at commit, raises ``PT007`` unless that task then exists with
   the key's queue and key. A producer can no longer extend, release or re-point a live key.
+* ``pgtask.queues_current()`` (``pgtask_0010``) no longer trusts the setting
+  ``pgtask.checked_queues`` for the queues a transaction checked already: any role may
+  ``SET LOCAL`` it, so a producer in a REPEATABLE READ transaction could name a queue and be
+  admitted by a limit its snapshot did not show. They are kept in a temporary table of the
+  function's owner instead (``pg_temp.pgtask_checked_queues``, ``ON COMMIT DELETE ROWS``,
+  created once per session), which the caller cannot write; one of that name the caller
+  made itself is ignored, and without ``TEMP`` on the database every call checks. A
+  transaction that wrote it cannot ``PREPARE TRANSACTION``.
 * A role holding ``INSERT`` on all of ``pgtask.audit_log`` (the admin level) gets it on every
   column but ``id`` and ``occurred_at`` instead: the database numbers and dates each entry.
   The downgrade leaves these grants as they are.
@@ -155,9 +163,107 @@ BEGIN
     END LOOP;
 END
 $$;
+
+CREATE OR REPLACE FUNCTION pgtask.queues_current(p_queues text[]) RETURNS void LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pgtask, pg_temp AS $$
+DECLARE
+    v_cache regclass := to_regclass('pg_temp.pgtask_checked_queues');
+    v_checked text[];
+    v_new text[];
+    v_missing text;
+BEGIN
+    -- The queues this transaction checked already, kept in a temporary table of this
+    -- function's owner: the caller cannot write it, nor pass off a table of that name it
+    -- made itself (a setting, as before, was anyone's to SET LOCAL).
+    IF v_cache IS NULL THEN
+        BEGIN
+            CREATE TEMPORARY TABLE pgtask_checked_queues (name text PRIMARY KEY)
+                ON COMMIT DELETE ROWS;
+            v_cache := to_regclass('pg_temp.pgtask_checked_queues');
+        EXCEPTION WHEN insufficient_privilege THEN
+            NULL;  -- no TEMP on the database: every call checks
+        END;
+    ELSIF (SELECT pg_get_userbyid(c.relowner) FROM pg_class AS c WHERE c.oid = v_cache)
+            IS DISTINCT FROM current_user THEN
+        v_cache := NULL;
+    END IF;
+    IF v_cache IS NOT NULL THEN
+        EXECUTE 'SELECT array_agg(name) FROM pg_temp.pgtask_checked_queues' INTO v_checked;
+    END IF;
+    -- Once per queue and transaction: after its first write to pgtask.tasks, a limit cannot
+    -- be turned on (the recount waits for it to end), and the rows it locked stay locked.
+    SELECT array_agg(DISTINCT d.name ORDER BY d.name) INTO v_new
+    FROM unnest(p_queues) AS d(name)
+    WHERE v_checked IS NULL OR NOT d.name = ANY (v_checked);
+    IF v_new IS NULL THEN
+        RETURN;
+    END IF;
+    -- A row changed since the snapshot cannot be locked (40001). Limited rows are left to
+    -- admit's own lock: a FOR SHARE first would deadlock two producers upgrading it, and a
+    -- finisher never waits for a limited queue's row.
+    PERFORM 1 FROM pgtask.queues AS q
+    WHERE q.name = ANY (v_new) AND q.max_outstanding_tasks IS NULL
+    ORDER BY q.name
+    FOR SHARE;
+    -- A row created since the snapshot is invisible, but inserting its name meets it (40001);
+    -- the probe's own row is undone at once, so producers never collide on it.
+    FOR v_missing IN
+        SELECT d.name FROM unnest(v_new) AS d(name)
+        WHERE NOT EXISTS (SELECT FROM pgtask.queues AS q WHERE q.name = d.name)
+    LOOP
+        BEGIN
+            INSERT INTO pgtask.queues (name) VALUES (v_missing) ON CONFLICT (name) DO NOTHING;
+            RAISE EXCEPTION USING ERRCODE = 'PTX01';
+        EXCEPTION WHEN SQLSTATE 'PTX01' THEN
+            NULL;
+        END;
+    END LOOP;
+    IF v_cache IS NOT NULL THEN
+        EXECUTE 'INSERT INTO pg_temp.pgtask_checked_queues (name) SELECT unnest($1)'
+            ' ON CONFLICT DO NOTHING' USING v_new;
+    END IF;
+END
+$$;
 """  # noqa: S608 (constants only)
 
 _DOWN = r"""
+CREATE OR REPLACE FUNCTION pgtask.queues_current(p_queues text[]) RETURNS void LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pgtask, pg_temp AS $$
+DECLARE
+    v_checked text[] := string_to_array(nullif(current_setting('pgtask.checked_queues', true), ''), ',');
+    v_new text[];
+    v_missing text;
+BEGIN
+    -- Once per queue and transaction: after its first write to pgtask.tasks, a limit cannot
+    -- be turned on (the recount waits for it to end), and the rows it locked stay locked.
+    SELECT array_agg(DISTINCT d.name ORDER BY d.name) INTO v_new
+    FROM unnest(p_queues) AS d(name)
+    WHERE v_checked IS NULL OR NOT d.name = ANY (v_checked);
+    IF v_new IS NULL THEN
+        RETURN;
+    END IF;
+    -- A row changed since the snapshot cannot be locked (40001). Limited rows are left to
+    -- admit's own lock: a FOR SHARE first would deadlock two producers upgrading it, and a
+    -- finisher never waits for a limited queue's row.
+    PERFORM 1 FROM pgtask.queues AS q
+    WHERE q.name = ANY (v_new) AND q.max_outstanding_tasks IS NULL
+    ORDER BY q.name
+    FOR SHARE;
+    -- A row created since the snapshot is invisible, but inserting its name meets it (40001);
+    -- the probe's own row is undone at once, so producers never collide on it.
+    FOR v_missing IN
+        SELECT d.name FROM unnest(v_new) AS d(name)
+        WHERE NOT EXISTS (SELECT FROM pgtask.queues AS q WHERE q.name = d.name)
+    LOOP
+        BEGIN
+            INSERT INTO pgtask.queues (name) VALUES (v_missing) ON CONFLICT (name) DO NOTHING;
+            RAISE EXCEPTION USING ERRCODE = 'PTX01';
+        EXCEPTION WHEN SQLSTATE 'PTX01' THEN
+            NULL;
+        END;
+    END LOOP;
+    PERFORM set_config('pgtask.checked_queues', array_to_string(coalesce(v_checked, '{}') || v_new, ','), true);
+END
+$$;
+
 DROP TRIGGER idempotency_keys_taken_task ON pgtask.idempotency_keys;
 DROP TRIGGER idempotency_keys_take_over ON pgtask.idempotency_keys;
 DROP FUNCTION pgtask.key_taken_task();
