@@ -103,7 +103,9 @@ PRIVILEGES: Final[Mapping[str, tuple[TableGrant, ...]]] = {
         _columns("INSERT", "tasks", _ENQUEUED),
         *_on("idempotency_keys", "SELECT"),
         _columns("INSERT", "idempotency_keys", "queue key task_id"),
-        # Taking over an expired key (`statements.TAKE_OVER_KEYS`).
+        # Taking over an expired key (`statements.TAKE_OVER_KEYS`); the table's triggers
+        # (pgtask_0014) refuse any other update: a live key is never extended, released or
+        # re-pointed, and a key is taken over only for a new task with that key.
         _columns("UPDATE", "idempotency_keys", "task_id created_at expires_at"),
         # An expired key is judged by its queue's idempotency retention.
         _columns("SELECT", "queues", "name idempotency_retention_seconds"),
@@ -129,10 +131,12 @@ PRIVILEGES: Final[Mapping[str, tuple[TableGrant, ...]]] = {
             " has_children retry_kind retry_base_seconds retry_factor retry_max_seconds"
             " retry_jitter",
         ),
-        # Retention.
+        # Retention; ``tasks_delete_terminal`` (pgtask_0014) refuses a task not finished.
         *_on("tasks", "DELETE"),
         *_on("attempts", "SELECT", "INSERT", "UPDATE"),
         *_on("checkpoints", "SELECT", "INSERT"),
+        # ON CONFLICT DO UPDATE SET value = value (a sleep, a signal wait): the first value
+        # wins; ``checkpoints_immutable`` (pgtask_0014) refuses any change.
         _columns("UPDATE", "checkpoints", "value"),
         *_on("waits", "SELECT", "INSERT"),
         *_on("signals", "SELECT"),
@@ -164,7 +168,7 @@ PRIVILEGES: Final[Mapping[str, tuple[TableGrant, ...]]] = {
             "state run_at failed_attempts cancel_requested_at result error completed_at"
             " updated_at lease_token lease_owner lease_expires_at",
         ),
-        # Retention.
+        # Retention; ``tasks_delete_terminal`` (pgtask_0014) refuses a task not finished.
         *_on("tasks", "DELETE"),
         *_on("idempotency_keys", "DELETE"),
         _KEY_LOCK,
@@ -180,8 +184,10 @@ PRIVILEGES: Final[Mapping[str, tuple[TableGrant, ...]]] = {
             " paused_at updated_at rate_limit rate_period_seconds starvation_timeout_seconds",
         ),
         *_on("schedules", "INSERT", "UPDATE", "DELETE"),
-        # Append-only: the table's trigger refuses UPDATE, DELETE and TRUNCATE anyway.
-        *_on("audit_log", "INSERT"),
+        # Append-only: the table's trigger refuses UPDATE, DELETE and TRUNCATE anyway. Never
+        # ``id`` or ``occurred_at``: the database numbers and dates every entry, so none can
+        # be backdated or slipped in before another (OVERRIDING SYSTEM VALUE).
+        _columns("INSERT", "audit_log", "actor action task_id queue schedule reason details"),
     ),
 }
 

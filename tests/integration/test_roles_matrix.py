@@ -109,7 +109,7 @@ EXPECTED: dict[str, tuple[str, ...]] = {
         "schedules: INSERT",
         "schedules: UPDATE",
         "schedules: DELETE",
-        "audit_log: INSERT",
+        "audit_log: INSERT (actor action task_id queue schedule reason details)",
     ),
 }
 

@@ -29,8 +29,11 @@ _REVISIONS = (
     "pgtask_0004_operations", "pgtask_0005_fast_paths", "pgtask_0006_quiet_updates",
     "pgtask_0007_task_list", "pgtask_0008_written_checks", "pgtask_0009_attempts_unlocked",
     "pgtask_0010_snapshot_capacity", "pgtask_0011_signals_immutable", "pgtask_0012_inserted_checks",
-    "pgtask_0013_one_walk_cascade",
+    "pgtask_0013_one_walk_cascade", "pgtask_0014_least_privilege",
 )
+
+
+_TRIGGER_NAME = r"``((?:tasks|queues|signals|audit_log|checkpoints|idempotency_keys)_\w+)``"
 
 
 def _documented_triggers() -> set[str]:
@@ -40,7 +43,7 @@ def _documented_triggers() -> set[str]:
     for name in _REVISIONS:
         revision = importlib.import_module(f"sqlalchemy_pgtask.migrations.versions.{name}")
         for line in (revision.__doc__ or "").split("\n* "):
-            found = set(re.findall(r"``((?:tasks|queues|signals|audit_log)_\w+)``", line))
+            found = set(re.findall(_TRIGGER_NAME, line))
             if re.search(r"\bis dropped\b", line):
                 documented -= found
             else:
