@@ -199,3 +199,43 @@ def test_require_login_without_a_way_to_log_in_is_refused(pgtask_engine: Engine)
 
     with pytest.raises(ValueError, match="require_login"):
         create_app(pgtask_engine, require_login=True)
+
+
+def test_over_https_the_cookies_are_host_prefixed_and_plain_names_are_ignored(
+    pgtask_engine: Engine, emails: str
+) -> None:
+    from sqlalchemy_pgtask.dashboard import create_app
+
+    app = create_app(pgtask_engine, admin_token=TOKEN)
+    with TestClient(app, base_url="https://testserver", follow_redirects=False) as client:
+        page = client.get("/login")
+        (csrf_header,) = page.headers.get_list("set-cookie")
+        assert csrf_header.startswith(f"__Host-{CSRF}=")
+        csrf = set_by(page)[f"__Host-{CSRF}"]
+        login = client.post("/login", data={"csrf_token": csrf, "token": TOKEN, "name": "carol"})
+        assert login.status_code == 303
+        headers = login.headers.get_list("set-cookie")
+        names = sorted(header.split("=", 1)[0] for header in headers)
+        assert names == [f"__Host-{CSRF}", f"__Host-{SESSION}"]
+        for header in headers:
+            attributes = [part.strip().lower() for part in header.split(";")]
+            assert "secure" in attributes
+            assert "path=/" in attributes
+            assert not any(part.startswith("domain=") for part in attributes)
+        issued = set_by(login)
+        # A cookie of the plain name (planted over HTTP, or by a sibling) counts for nothing.
+        client.cookies.clear()
+        client.cookies.set(f"__Host-{SESSION}", issued[f"__Host-{SESSION}"])
+        client.cookies.set(CSRF, PLANTED)
+        forged = client.post(f"/queues/{emails}/pause", data={"csrf_token": PLANTED})
+        assert forged.status_code == 403
+        assert not paused(pgtask_engine, emails)
+        # The control: beside its own __Host- CSRF cookie the session acts.
+        client.cookies.clear()
+        client.cookies.set(f"__Host-{SESSION}", issued[f"__Host-{SESSION}"])
+        client.cookies.set(f"__Host-{CSRF}", issued[f"__Host-{CSRF}"])
+        acted = client.post(
+            f"/queues/{emails}/pause", data={"csrf_token": issued[f"__Host-{CSRF}"]}
+        )
+        assert acted.status_code == 303
+        assert paused(pgtask_engine, emails)
