@@ -52,7 +52,9 @@ def dashboard(args: argparse.Namespace) -> int:
                 "session_max_age": args.session_max_age
             }
             try:
-                app = create_app(engine, admin_token=token, **options)
+                app = create_app(
+                    engine, admin_token=token, require_login=args.require_login, **options
+                )
             except ValueError as exc:
                 raise UsageError(str(exc)) from exc
             mode = "actions need the admin token" if token else "read-only: no admin token"
@@ -150,6 +152,13 @@ def add_commands(commands: Any) -> None:
     command.add_argument(
         "--session-max-age", metavar="SECONDS", type=int_between(1, 2**31),
         help="how long a login lasts, 60 s to 400 days (default: 43200, 12 hours)",
+    )
+    command.add_argument(
+        "--require-login", action="store_true",
+        help=(
+            "serve nothing but the login page without the admin token (default: anyone who "
+            "can reach the dashboard reads every task, payloads and tracebacks included)"
+        ),
     )
     command.add_argument(
         "--forwarded-allow-ips", metavar="ADDRESSES",

@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Final, TypeVar
+from urllib.parse import urlencode
 
 import jinja2
 import psycopg
@@ -30,6 +31,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from sqlalchemy_pgtask import status
+from sqlalchemy_pgtask.dashboard._asgi import DashboardApp
 from sqlalchemy_pgtask.dashboard._queries import PAGE_SIZE_MAX
 from sqlalchemy_pgtask.dashboard._security import (
     CSRF_FIELD,
@@ -156,6 +158,16 @@ class Dashboard:
         root = str(request.scope.get("root_path") or "").rstrip("/")
         return root + str(self.router.url_path_for(name, **params))
 
+    @staticmethod
+    def here(request: Request, **changes: object) -> str:
+        """This page's path and query with ``changes`` (None removes a parameter): a
+        relative URL, never the request's host, which the client chose."""
+        params = [(key, value) for key, value in request.query_params.multi_items()
+                  if key not in changes]
+        params += [(key, str(value)) for key, value in changes.items() if value is not None]
+        query = urlencode(params)
+        return request.url.path + (f"?{query}" if query else "")
+
     def render(
         self,
         request: Request,
@@ -183,13 +195,7 @@ class Dashboard:
         )
         response = HTMLResponse(page, status_code=status_code)
         self.guard.set_csrf_cookie(request, response)
-        # The pages never need to be framed, to run inline script, or to load from elsewhere.
-        response.headers["content-security-policy"] = (
-            "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-            "frame-ancestors 'none'; form-action 'self'; base-uri 'none'"
-        )
-        response.headers["x-content-type-options"] = "nosniff"
-        response.headers["referrer-policy"] = "same-origin"
+        # The security headers are every response's (`_asgi`); a page is not to be cached.
         response.headers["cache-control"] = "no-store"
         return response
 
@@ -258,6 +264,7 @@ def create_app(
     scan_limit: int = SCAN_LIMIT,
     title: str = "pgtask",
     session_max_age: float | timedelta = SESSION_MAX_AGE,
+    require_login: bool = False,
 ) -> Starlette:
     """The dashboard as a Starlette (ASGI) application: serve it, or mount it in your own.
 
@@ -276,8 +283,13 @@ def create_app(
     :param session_max_age: how long a login lasts (seconds or a `timedelta`; 60 s to 400
         days, default 12 hours): the session cookie is refused after it, and the browser
         drops it.
+    :param require_login: serve nothing but the login page (and its static files) to a
+        request that is not an admin's (token, session or hook): pages redirect to the login,
+        other methods get 401. Without it anyone who can reach the dashboard reads every
+        task's payload, headers, result and traceback.
     :raises ValueError: a bad page size, scan limit or session age, a token shorter than 8
-        characters, or a URL that is not PostgreSQL's.
+        characters, a URL that is not PostgreSQL's, or ``require_login`` with neither a
+        token nor a hook (nobody could ever log in).
 
     Every action is a POST with a CSRF token; see docs/dashboard.md.
     """
@@ -289,6 +301,8 @@ def create_app(
         raise ValueError(f"scan_limit must be at least page_size ({page_size}), got {scan_limit}")
     if admin_token is not None and len(admin_token) < 8:
         raise ValueError("admin_token must be at least 8 characters")
+    if require_login and admin_token is None and actor_from_request is None:
+        raise ValueError("require_login needs an admin_token or actor_from_request")
     max_age = _session_seconds(session_max_age)
     engine, owned = _engine(engine_or_url)
     dashboard = Dashboard(
@@ -325,7 +339,8 @@ def create_app(
             if owned:
                 engine.dispose()
 
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = DashboardApp(routes=routes, lifespan=lifespan)
+    app.guard, app.require_login = dashboard.guard, require_login
     dashboard.router = app
     app.state.dashboard = dashboard
     return app

@@ -120,8 +120,8 @@ async def tasks(dashboard: Dashboard, request: Request) -> Response:
     page = await dashboard.read(read)
     next_url = None
     if page.next_cursor is not None:
-        next_url = str(request.url.include_query_params(after=page.next_cursor))
-    first_url = str(request.url.remove_query_params("after")) if after else None
+        next_url = dashboard.here(request, after=page.next_cursor)
+    first_url = dashboard.here(request, after=None) if after else None
     return dashboard.render(
         request,
         "tasks.html",
@@ -204,14 +204,14 @@ async def audit(dashboard: Dashboard, request: Request) -> Response:
     next_url = None
     if len(entries) > limit:
         entries = entries[:limit]
-        next_url = str(request.url.include_query_params(before=entries[-1].id))
+        next_url = dashboard.here(request, before=entries[-1].id)
     return dashboard.render(
         request,
         "audit.html",
         {
             "entries": entries,
             "next_url": next_url,
-            "first_url": str(request.url.remove_query_params("before")) if before else None,
+            "first_url": dashboard.here(request, before=None) if before else None,
             "form": {"queue": queue or "", "task": task_id or ""},
             "pretty": pretty,
         },

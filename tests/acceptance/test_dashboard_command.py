@@ -66,10 +66,11 @@ class DashboardProcess:
         return f"pgtask dashboard pid {self.process.pid} ({status}); log:\n{self.log()}"
 
     def answers(self) -> bool:
-        """Whether ``GET /`` answers 200; fails at once if the process has exited."""
+        """Whether ``GET /login`` answers 200 (it does with ``--require-login`` too); fails at
+        once if the process has exited."""
         assert self.process.poll() is None, self.describe()
         try:
-            return httpx2.get(self.url + "/", timeout=5.0).status_code == 200
+            return httpx2.get(self.url + "/login", timeout=5.0).status_code == 200
         except httpx2.TransportError:
             return False
 
@@ -294,3 +295,59 @@ def test_forwarded_allow_ips_counts_each_client_behind_the_named_proxy_on_its_ow
         assert wrong_logins(proxy, 11, forwarded_for="198.51.100.7") == [403] * 10 + [429]
         # Another client behind the same proxy is not throttled by that one.
         assert wrong_logins(proxy, 1, forwarded_for="198.51.100.8") == [403]
+
+
+def test_the_served_dashboard_holds_against_a_hostile_client_with_require_login(
+    dashboards: Callable[..., DashboardProcess], seeded: Database
+) -> None:
+    """Issue 24 against the real process: nothing but the login without a token, a planted
+    CSRF cookie does not survive the login, a logged-out session's copy does not act, the
+    Host header reaches no URL, and the framework's own answers carry the headers."""
+    dashboard = dashboards(seeded.url, "--admin-token", TOKEN, "--require-login")
+    before = audit_of(seeded)
+    planted = "p" * 43
+    with client_of(dashboard) as anonymous, client_of(dashboard) as operator, \
+            client_of(dashboard) as thief:
+        for path in ("/", "/tasks", f"/tasks?q={QUEUE}", "/audit", "/workers", "/nowhere"):
+            answer = anonymous.get(path)
+            assert (answer.status_code, answer.headers.get("location")) == (303, "/login")
+            assert QUEUE not in answer.text
+        assert anonymous.post(f"/queues/{QUEUE}/pause").status_code == 401
+        for method, path, code in (("GET", "/static/dashboard.css", 200),
+                                   ("GET", "/static/nothing.css", 404),
+                                   ("PUT", "/login", 405), ("GET", "/login", 200)):
+            answer = anonymous.request(method, path)
+            assert answer.status_code == code
+            assert answer.headers["x-content-type-options"] == "nosniff"
+            assert "content-security-policy" in answer.headers
+            assert "referrer-policy" in answer.headers
+        # A CSRF cookie planted before the login: the login issues its own.
+        operator.cookies.set("pgtask_csrf", planted)
+        assert csrf_of(operator, "/login") == planted
+        login = operator.post(
+            "/login", data={"csrf_token": planted, "token": TOKEN, "name": OPERATOR}
+        )
+        assert login.status_code == 303, login.text
+        fresh = {c.name: c.value for c in operator.cookies.jar}
+        assert fresh["pgtask_csrf"] != planted
+        operator.cookies.clear()
+        operator.cookies.update(fresh)
+        forged = operator.post(f"/queues/{QUEUE}/pause", data={"csrf_token": planted})
+        assert forged.status_code == 403
+        assert audit_of(seeded) == before
+        # The Host header never reaches a URL.
+        moved = operator.get("/tasks/", headers={"host": "evil.example"})
+        assert moved.status_code == 307
+        assert moved.headers["location"] == "/tasks"
+        assert "evil.example" not in operator.get("/tasks?limit=1").text
+        # Logged out, a copy of the session cookie acts no more.
+        thief.cookies.update(fresh)
+        assert f"dashboard:{OPERATOR}" in thief.get("/").text
+        assert operator.post(
+            "/logout", data={"csrf_token": fresh["pgtask_csrf"]}
+        ).status_code == 303
+        replayed = thief.post(f"/queues/{QUEUE}/pause", data={"csrf_token": fresh["pgtask_csrf"]})
+        assert replayed.status_code == 401
+        assert thief.get("/").status_code == 303
+    assert audit_of(seeded) == before
+    assert not paused(seeded, QUEUE)

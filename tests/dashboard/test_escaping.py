@@ -252,6 +252,7 @@ def _fill(engine: Engine) -> Marked:
         csrf = client.cookies["pgtask_csrf"]
         logged_in = client.post("/login", data={"csrf_token": csrf, "token": TOKEN})
         assert logged_in.status_code == 303
+        csrf = client.cookies["pgtask_csrf"]  # the login's own, fresh token
         answer = client.post(f"/tasks/{cancelled}/cancel",
                              data={"csrf_token": csrf, "reason": FORM_REASON})
         assert answer.status_code == 303

@@ -95,12 +95,14 @@ def csrf_of(client: TestClient) -> str:
 
 def log_in(client: TestClient, name: str = "carol", token: str = TOKEN) -> dict[str, str]:
     """Log in with ``token``; returns the cookies of the login: the session and the CSRF
-    cookie it is bound to."""
-    csrf = csrf_of(client)
-    answer = client.post("/login", data={"csrf_token": csrf, "token": token, "name": name})
+    cookie it is bound to (a fresh one: the login never keeps the one it came with)."""
+    before = csrf_of(client)
+    answer = client.post("/login", data={"csrf_token": before, "token": token, "name": name})
     assert answer.status_code == 303
-    session = client.cookies.get(SESSION)
+    session, csrf = client.cookies.get(SESSION), client.cookies.get(CSRF_COOKIE)
     assert session is not None
+    assert csrf is not None
+    assert csrf != before
     assert f"dashboard:{name}" in client.get("/").text
     return {SESSION: session, CSRF_COOKIE: csrf}
 
@@ -286,14 +288,18 @@ def test_a_session_cookie_replayed_on_a_dashboard_with_the_same_token_may_act(
     client_for: Apps, pgtask_engine: Engine, targets: Targets
 ) -> None:
     """The control of the cookie refusals: cookies set on a client this way are sent, and a
-    genuine login's are accepted, so a refused one was refused for its signature."""
-    client = replay(client_for(admin_token=TOKEN), log_in(client_for(admin_token=TOKEN)))
+    genuine login's are accepted by the process that issued them, so a refused one was
+    refused for its signature (sessions are per process: another app refuses it)."""
+    app = create_app(pgtask_engine, admin_token=TOKEN)
+    with TestClient(app, follow_redirects=False) as operator, \
+            TestClient(app, follow_redirects=False) as other:
+        client = replay(other, log_in(operator))
 
-    answer = client.post("/queues/emails/pause", data={"csrf_token": csrf_of(client)})
+        answer = client.post("/queues/emails/pause", data={"csrf_token": csrf_of(client)})
 
-    assert answer.status_code == 303
-    assert paused_at(snapshot(pgtask_engine), "emails") is not None
-    assert "dashboard:carol" in client.get("/").text
+        assert answer.status_code == 303
+        assert paused_at(snapshot(pgtask_engine), "emails") is not None
+        assert "dashboard:carol" in client.get("/").text
 
 
 def test_a_forged_session_cookie_with_a_non_ascii_signature_is_refused_not_a_server_error(

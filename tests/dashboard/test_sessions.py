@@ -115,13 +115,13 @@ def test_an_expired_session_may_not_act_and_writes_nothing(
 
 def test_a_session_whose_login_time_was_changed_is_refused(shared_client_for: Apps) -> None:
     client = shared_client_for(admin_token=TOKEN, session_max_age=HOUR)
-    name, issued, mac = guard_of(client).session_value(
+    name, issued, sid, mac = guard_of(client).session_value(
         "carol", time.time() - 2 * HOUR, csrf_of(client)
     ).split(":")
-    client.cookies.set(SESSION, f"{name}:{int(time.time())}:{mac}")
+    client.cookies.set(SESSION, f"{name}:{int(time.time())}:{sid}:{mac}")
 
     assert acts_as(client) is None
-    client.cookies.set(SESSION, f"{name}:{issued}:{mac}")
+    client.cookies.set(SESSION, f"{name}:{issued}:{sid}:{mac}")
     assert acts_as(client) is None  # still expired: the control that the MAC was genuine
 
 
@@ -165,9 +165,10 @@ def test_a_session_counts_only_beside_the_csrf_cookie_of_its_login(
     with pgtask_engine.begin() as connection:
         configure_queue(connection, "emails", max_outstanding_tasks=10, actor="seed")
     client = client_for(admin_token=TOKEN)
-    genuine = csrf_of(client)
-    login = client.post("/login", data={"csrf_token": genuine, "token": TOKEN, "name": "carol"})
+    login = client.post("/login", data={"csrf_token": csrf_of(client), "token": TOKEN,
+                                        "name": "carol"})
     assert login.status_code == 303
+    genuine = csrf_of(client)  # the login's own token
 
     planted = "p" * 43  # well formed, and the attacker's
     client.cookies.delete(CSRF)
