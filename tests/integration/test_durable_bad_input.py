@@ -25,7 +25,7 @@ from sqlalchemy_pgtask import (
     WorkerOptions,
     emit_signal_async,
 )
-from sqlalchemy_pgtask.testing import running_worker
+from sqlalchemy_pgtask.testing import running_worker, wait_until
 from tests.support.tasks import add, attempt_rows, wait_for_state
 from tests.support.waiting import PATIENCE
 
@@ -104,8 +104,17 @@ async def test_a_durable_call_with_bad_arguments_leaves_its_step_key_unused(
     runs: list[list[Any]] = []
     registry = Registry()
 
+    parent: list[Any] = []
+
+    async def parent_suspended() -> bool:
+        attempts = await attempt_rows(pgtask_async_engine, parent[0])
+        return bool(attempts) and attempts[0]["state"] == "suspended"
+
     @registry.task("child")
     async def child(ctx: TaskContext, payload: None) -> str:
+        # Finishing before the parent reaches its wait would let the first run go through
+        # without suspending, and then nothing would be replayed.
+        await wait_until(parent_suspended, PATIENCE, message="the parent's suspension")
         return "done"
 
     if kind == "async":
@@ -123,6 +132,7 @@ async def test_a_durable_call_with_bad_arguments_leaves_its_step_key_unused(
             return _sync_calls(ctx, runs[-1])
 
     task_id = await add(pgtask_async_engine, "bad-input")
+    parent.append(task_id)
     async with pgtask_async_engine.begin() as conn:
         await emit_signal_async(conn, task_id, "go", "yes")
     async with running_worker(registry, pgtask_database_url, OPTIONS):
