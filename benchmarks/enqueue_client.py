@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy_pgtask import EnqueueRequest, _ids, _json_text
-from sqlalchemy_pgtask._enqueue_plan import plan_many, validate_many
+from sqlalchemy_pgtask.enqueue.plan import plan_many, validate_many
 
 #: `EnqueueRequest`'s fields with the ``__init__`` dataclasses writes.
 GeneratedInit: Any = dataclasses.make_dataclass(

@@ -46,7 +46,7 @@ import run as bench_run
 from _server import libpq_url, psycopg_url, server
 
 from sqlalchemy_pgtask import statements
-from sqlalchemy_pgtask._enqueue_plan import new_ids
+from sqlalchemy_pgtask.enqueue.plan import new_ids
 from sqlalchemy_pgtask.migrations import HEAD, upgrade
 from sqlalchemy_pgtask.testing import create_database, drop_database
 

@@ -15,9 +15,7 @@ and run them with ``pgtask worker app.tasks:registry``.
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as _version
-
+from sqlalchemy_pgtask._version import __version__
 from sqlalchemy_pgtask.admin import (
     pause_queue,
     pause_queue_async,
@@ -35,9 +33,10 @@ from sqlalchemy_pgtask.client import (
     wait_for_result,
     wait_for_result_async,
 )
-from sqlalchemy_pgtask.context import BaseTaskContext, SyncTaskContext, TaskContext
 from sqlalchemy_pgtask.control import Fail, LeaseLost, Retry, Suspended, TaskCancelled
-from sqlalchemy_pgtask.durable import ChildResult, SyncTransactionStep, TransactionStep
+from sqlalchemy_pgtask.durable.context import BaseTaskContext, SyncTaskContext, TaskContext
+from sqlalchemy_pgtask.durable.signals import emit_signal, emit_signal_async
+from sqlalchemy_pgtask.durable.types import ChildResult, SyncTransactionStep, TransactionStep
 from sqlalchemy_pgtask.enqueue import (
     EnqueueRequest,
     EnqueueResult,
@@ -110,13 +109,7 @@ from sqlalchemy_pgtask.schedule import (
     set_schedule,
     set_schedule_async,
 )
-from sqlalchemy_pgtask.signals import emit_signal, emit_signal_async
 from sqlalchemy_pgtask.worker import Worker, WorkerOptions
-
-try:
-    __version__ = _version("sqlalchemy-pgtask")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree
-    __version__ = "0+unknown"
 
 __all__ = [
     "Attempt",

@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import Integer, MetaData, String, create_engine, func, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from sqlalchemy_pgtask.context import SyncTaskContext, TaskContext
+from sqlalchemy_pgtask.durable.context import SyncTaskContext, TaskContext
 from sqlalchemy_pgtask.migrations import upgrade
 from sqlalchemy_pgtask.models import Attempt, Task
 from sqlalchemy_pgtask.registry import Registry

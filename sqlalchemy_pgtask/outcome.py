@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from sqlalchemy_pgtask._logging import escape_controls
-from sqlalchemy_pgtask.context import StopReason
 from sqlalchemy_pgtask.control import Fail, LeaseLost, Retry, TaskCancelled
+from sqlalchemy_pgtask.durable.context import StopReason
 from sqlalchemy_pgtask.errors import (
     DuplicateStep,
     InvalidOptionError,

@@ -23,8 +23,7 @@ from datetime import datetime, timedelta
 from typing import Any, Final, Generic, Protocol, TypeVar, overload
 
 from sqlalchemy_pgtask._connection import AsyncBind, SyncBind
-from sqlalchemy_pgtask._schedule_spec import ScheduleSpec, schedule_spec
-from sqlalchemy_pgtask.context import SyncTaskContext, TaskContext
+from sqlalchemy_pgtask.durable.context import SyncTaskContext, TaskContext
 from sqlalchemy_pgtask.enqueue import (
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_QUEUE,
@@ -35,6 +34,7 @@ from sqlalchemy_pgtask.enqueue import (
 )
 from sqlalchemy_pgtask.errors import InvalidOptionError
 from sqlalchemy_pgtask.retry import RetryPolicy
+from sqlalchemy_pgtask.schedule.spec import ScheduleSpec, schedule_spec
 from sqlalchemy_pgtask.validation import (
     INT4_MAX,
     check_int_range,

@@ -21,11 +21,11 @@ SDK ``TracerProvider``; see ``docs/observability.md``) the worker makes no span 
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from sqlalchemy_pgtask.context import BaseTaskContext
+from sqlalchemy_pgtask._version import __version__
 
 try:
     from opentelemetry import context as _context
@@ -41,6 +41,7 @@ __all__ = [
     "ENABLED",
     "STEP_SPAN",
     "AttemptSpan",
+    "Traced",
     "load_provider",
     "recording",
     "run_step",
@@ -59,6 +60,24 @@ STEP_SPAN: Final = "pgtask.step"
 _TRACER_NAME: Final = "sqlalchemy_pgtask"
 
 
+class Traced(Protocol):
+    """What a span needs from a handler's context (every task context has it); telemetry
+    sits below the contexts, which call it."""
+
+    @property
+    def task_id(self) -> uuid.UUID: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def queue(self) -> str: ...
+    @property
+    def attempt(self) -> int: ...
+    @property
+    def headers(self) -> dict[str, Any]: ...
+
+
 _TRACER: Any = None
 
 
@@ -66,8 +85,6 @@ def _tracer() -> Any:
     # A proxy until the application sets its provider, so it can be taken early and kept.
     global _TRACER
     if _TRACER is None:
-        from sqlalchemy_pgtask import __version__
-
         _TRACER = _trace.get_tracer(_TRACER_NAME, __version__)
     return _TRACER
 
@@ -155,7 +172,7 @@ def _remote_parent(headers: Mapping[str, Any]) -> Any:
     return _propagate.extract(carrier)
 
 
-def start_attempt_span(ctx: BaseTaskContext) -> AttemptSpan:
+def start_attempt_span(ctx: Traced) -> AttemptSpan:
     """Start the span of the attempt ``ctx`` describes and make it current.
 
     Its parent is the trace context in the task's headers (a new trace without one), never
@@ -198,7 +215,7 @@ async def _awaited(awaitable: Awaitable[T], span: Any) -> T:
 
 
 def run_step(
-    ctx: BaseTaskContext, name: str, occurrence: int, fn: Callable[[], Any], *, wait: bool
+    ctx: Traced, name: str, occurrence: int, fn: Callable[[], Any], *, wait: bool
 ) -> Any:
     """Call a step's ``fn`` in a child span of the current (attempt) span; return its result.
 

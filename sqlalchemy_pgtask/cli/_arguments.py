@@ -14,8 +14,8 @@ import dataclasses
 import sys
 from typing import Any, Final, NoReturn, get_args
 
-from sqlalchemy_pgtask import WorkerOptions, __version__
 from sqlalchemy_pgtask._logging import LOG_FORMATS
+from sqlalchemy_pgtask._version import __version__
 from sqlalchemy_pgtask.cli import (
     _commands,
     _dashboard,
@@ -31,7 +31,7 @@ from sqlalchemy_pgtask.cli._types import int_between as _int_between
 from sqlalchemy_pgtask.cli._types import seconds as _seconds
 from sqlalchemy_pgtask.states import TASK_STATES
 from sqlalchemy_pgtask.status import LIST_LIMIT_MAX
-from sqlalchemy_pgtask.worker import EventLoop
+from sqlalchemy_pgtask.worker import EventLoop, WorkerOptions
 
 __all__ = ["build_parser"]
 

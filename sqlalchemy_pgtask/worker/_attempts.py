@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy_pgtask.context import BaseTaskContext
+from sqlalchemy_pgtask.durable.context import BaseTaskContext
 from sqlalchemy_pgtask.registry import TaskDefinition
 from sqlalchemy_pgtask.retry import RetryPolicy
 from sqlalchemy_pgtask.statements import Lease

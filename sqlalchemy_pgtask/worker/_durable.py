@@ -24,11 +24,11 @@ from sqlalchemy import Row
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from sqlalchemy_pgtask._connection import parse_task_id, translated_errors
-from sqlalchemy_pgtask._enqueue_plan import EnqueueRequest, new_ids, validate_request
+from sqlalchemy_pgtask._defaults import TaskTarget
 from sqlalchemy_pgtask.control import LeaseLost, Suspended, TaskCancelled
-from sqlalchemy_pgtask.durable import ChildResult, StepKey
+from sqlalchemy_pgtask.durable.types import ChildResult, StepKey
+from sqlalchemy_pgtask.enqueue.plan import EnqueueRequest, new_ids, validate_request
 from sqlalchemy_pgtask.errors import DuplicateStep, InvalidOptionError, ReplayMismatch
-from sqlalchemy_pgtask.registry import TaskDefinition
 from sqlalchemy_pgtask.statements import (
     CHECKPOINT,
     CHECKPOINTS,
@@ -59,7 +59,7 @@ from sqlalchemy_pgtask.worker._durable_calls import DurableCalls
 from sqlalchemy_pgtask.worker._transactions import AsyncTransactionStep, SyncTransactionStep
 
 if TYPE_CHECKING:
-    from sqlalchemy_pgtask.context import BaseTaskContext
+    from sqlalchemy_pgtask.durable.context import BaseTaskContext
 
 __all__ = ["DurableAttempt"]
 
@@ -274,7 +274,7 @@ class DurableAttempt:
     async def spawn(
         self,
         key: StepKey,
-        name: str | TaskDefinition[Any, Any],
+        name: str | TaskTarget,
         payload: Any,
         options: Mapping[str, Any],
     ) -> uuid.UUID:
@@ -285,14 +285,14 @@ class DurableAttempt:
                 "is not an option of spawn (its step key already makes the child exactly-once)"
                 if unknown[0] == "idempotency_key" else "is not an option of spawn",
             )
-        if isinstance(name, TaskDefinition):
-            defaults: dict[str, Any] = {
+        if isinstance(name, str):
+            defaults: dict[str, Any] = {"queue": self.ctx.queue}
+            task_name = name
+        else:
+            defaults = {
                 "queue": name.queue, "version": name.version, "max_attempts": name.max_attempts,
             }
             task_name = name.name
-        else:
-            defaults = {"queue": self.ctx.queue}
-            task_name = name
         child_id = new_ids(1)[0]
         row = validate_request(
             EnqueueRequest(name=task_name, payload=payload, **{**defaults, **options}), child_id

@@ -25,8 +25,8 @@ from typing import Any, Final, Protocol
 from sqlalchemy import Row
 
 from sqlalchemy_pgtask import statements
-from sqlalchemy_pgtask.context import StopReason, SyncTaskContext, TaskContext
 from sqlalchemy_pgtask.control import TaskCancelled
+from sqlalchemy_pgtask.durable.context import StopReason, SyncTaskContext, TaskContext
 from sqlalchemy_pgtask.outcome import Outcome, decide, one_line
 from sqlalchemy_pgtask.registry import Registry
 from sqlalchemy_pgtask.retry import RetryPolicy

@@ -21,6 +21,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from sqlalchemy_pgtask import statements
+from sqlalchemy_pgtask._version import __version__
 from sqlalchemy_pgtask.errors import PolicyConflict
 from sqlalchemy_pgtask.registry import Registry
 from sqlalchemy_pgtask.retry import RetryPolicy
@@ -64,7 +65,6 @@ class Registration:
         self.draining = False
 
     async def register(self) -> None:
-        from sqlalchemy_pgtask import __version__
 
         async with self._engine.begin() as conn:
             lock_timeout = f"{max(1, round(self._lock_timeout * 1000))}ms"

@@ -2,7 +2,7 @@
 are reconciled at start.
 
 `Schedules` is a `MaintenanceService`: each pass runs a few short transactions on the
-worker's maintenance connection (see `sqlalchemy_pgtask._materialize`), then says how long
+worker's maintenance connection (see `sqlalchemy_pgtask.schedule.materialize`), then says how long
 until the next schedule falls due, so the worker sleeps exactly until then. No leader: any
 number of workers run it at once, and a schedule one of them holds is skipped by the others.
 """
@@ -19,7 +19,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from sqlalchemy_pgtask.registry import Registry
-from sqlalchemy_pgtask.schedule import (
+from sqlalchemy_pgtask.schedule.api import (
     MaterializeReport,
     ScheduleInfo,
     materialize_schedules_async,
@@ -131,7 +131,7 @@ async def reconcile_schedules(
     """
     written = []
     for declared in registry.schedules:
-        written.append(await connection.run_sync(write_declared, declared, actor))
+        written.append(await connection.run_sync(write_declared, declared.spec, actor))
     if written:
         logger.info("reconciled %d declared schedule(s)", len(written))
     return written

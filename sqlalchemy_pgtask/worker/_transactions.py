@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from sqlalchemy_pgtask._failures import is_serialization_failure
-from sqlalchemy_pgtask.durable import StepKey
+from sqlalchemy_pgtask.durable.types import StepKey
 from sqlalchemy_pgtask.statements import CHECKPOINT, SAVE_CHECKPOINT
 from sqlalchemy_pgtask.validation import CHECKPOINT_MAX_BYTES, dump_json
 from sqlalchemy_pgtask.worker._reconnect import is_transient, network_settings

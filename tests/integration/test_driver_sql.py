@@ -17,7 +17,7 @@ from sqlalchemy.sql.base import Executable
 
 from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask._driver_sql import driver_statement, execute
-from sqlalchemy_pgtask._enqueue_plan import EnqueueRequest, plan_many, validate_many
+from sqlalchemy_pgtask.enqueue.plan import EnqueueRequest, plan_many, validate_many
 from sqlalchemy_pgtask.retry import RetryPolicy
 from sqlalchemy_pgtask.statements import Capability, Lease, capability_params, claim_params
 

@@ -26,7 +26,7 @@ from sqlalchemy_pgtask import (
     enqueue_many,
     enqueue_many_async,
 )
-from sqlalchemy_pgtask._enqueue_copy import COPY_MIN_ROWS
+from sqlalchemy_pgtask.enqueue.copy import COPY_MIN_ROWS
 from sqlalchemy_pgtask.testing import DatabaseClock
 from tests.support.engines import lose, statements_of, terminate_backend
 from tests.support.urls import libpq_url

@@ -17,7 +17,7 @@ from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from sqlalchemy_pgtask import EnqueueRequest, Task, enqueue, enqueue_many
-from sqlalchemy_pgtask._enqueue_copy import COPY_MIN_ROWS
+from sqlalchemy_pgtask.enqueue.copy import COPY_MIN_ROWS
 
 
 class RepeatedHour(tzinfo):

@@ -44,10 +44,10 @@ from sqlalchemy_pgtask import (
     wait_for_result,
 )
 from sqlalchemy_pgtask.audit import audit_statement, list_audit
+from sqlalchemy_pgtask.durable.signals import emit_signal
 from sqlalchemy_pgtask.grants import LEVELS, grant_roles, grant_roles_async, grants_sql
 from sqlalchemy_pgtask.models import AuditEntry, Schedule
 from sqlalchemy_pgtask.retention import run_retention
-from sqlalchemy_pgtask.signals import emit_signal
 from sqlalchemy_pgtask.testing import DatabaseClock, running_worker, wait_until
 from tests.support.durable import claim_one, complete
 from tests.support.engines import engine_for

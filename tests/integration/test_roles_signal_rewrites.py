@@ -14,7 +14,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.exc import DBAPIError
 
 from sqlalchemy_pgtask import enqueue
-from sqlalchemy_pgtask.signals import emit_signal
+from sqlalchemy_pgtask.durable.signals import emit_signal
 from tests.support.roles import login_roles, role_engine, sqlstate_of
 
 #: SQLSTATE of a refused change of a stored signal.

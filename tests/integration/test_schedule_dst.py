@@ -15,10 +15,10 @@ from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from sqlalchemy_pgtask import InvalidOptionError, Task
-from sqlalchemy_pgtask._cron import Recurrence, RecurrenceError
-from sqlalchemy_pgtask._misfire import plan_occurrences
-from sqlalchemy_pgtask._schedule_spec import schedule_spec
 from sqlalchemy_pgtask.schedule import get_schedule, materialize_schedules, set_schedule
+from sqlalchemy_pgtask.schedule.misfire import plan_occurrences
+from sqlalchemy_pgtask.schedule.recurrence import Recurrence, RecurrenceError
+from sqlalchemy_pgtask.schedule.spec import schedule_spec
 from sqlalchemy_pgtask.testing import DatabaseClock
 
 UTC = timezone.utc

@@ -16,8 +16,6 @@ from sqlalchemy import Engine, func, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from sqlalchemy_pgtask import InvalidOptionError, Registry, Task, WorkerOptions
-from sqlalchemy_pgtask._misfire import plan_occurrences
-from sqlalchemy_pgtask._schedule_spec import schedule_spec
 from sqlalchemy_pgtask.models import AuditEntry, Schedule
 from sqlalchemy_pgtask.schedule import (
     delete_schedule_async,
@@ -28,6 +26,8 @@ from sqlalchemy_pgtask.schedule import (
     resume_schedule_async,
     set_schedule_async,
 )
+from sqlalchemy_pgtask.schedule.misfire import plan_occurrences
+from sqlalchemy_pgtask.schedule.spec import schedule_spec
 from sqlalchemy_pgtask.statements import NOW
 from sqlalchemy_pgtask.testing import DatabaseClock, running_worker, wait_until
 from sqlalchemy_pgtask.worker._maintenance import MaintenanceRunner
@@ -227,7 +227,7 @@ async def test_occurrences_and_options_are_computed_off_the_event_loop(
             return real(*args, **kwargs)
         return call
 
-    monkeypatch.setattr("sqlalchemy_pgtask._materialize.plan_occurrences",
+    monkeypatch.setattr("sqlalchemy_pgtask.schedule.materialize.plan_occurrences",
                         spied("plan", plan_occurrences))
     monkeypatch.setattr("sqlalchemy_pgtask.schedule.schedule_spec", spied("check", schedule_spec))
     set_now(pgtask_clock, T0)

@@ -35,7 +35,7 @@ from sqlalchemy.exc import OperationalError
 
 from sqlalchemy_pgtask import Checkpoint, Signal, Wait, cancel, enqueue
 from sqlalchemy_pgtask import statements as st
-from sqlalchemy_pgtask._enqueue_plan import EnqueueRequest, new_ids, validate_request
+from sqlalchemy_pgtask.enqueue.plan import EnqueueRequest, new_ids, validate_request
 from sqlalchemy_pgtask.outcome import error_document
 from tests.support.tasks import claim_parameters, read_attempts, read_task
 from tests.support.waiting import PATIENCE, wait_until

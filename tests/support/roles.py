@@ -66,10 +66,10 @@ from sqlalchemy_pgtask import (
 )
 from sqlalchemy_pgtask.audit import list_audit
 from sqlalchemy_pgtask.dashboard._task_list import TaskFilters, task_page
+from sqlalchemy_pgtask.durable.signals import emit_signal
 from sqlalchemy_pgtask.grants import LEVELS, grant_roles
 from sqlalchemy_pgtask.models import Schedule
-from sqlalchemy_pgtask.schedule import write_declared
-from sqlalchemy_pgtask.signals import emit_signal
+from sqlalchemy_pgtask.schedule.api import write_declared
 from sqlalchemy_pgtask.statements import NOW, retention
 from sqlalchemy_pgtask.statements import schedule as schedule_statements
 from sqlalchemy_pgtask.statements.rescue import RESCUE, WORKER_LOCKS
@@ -490,7 +490,7 @@ def _reconcile(c: Connection, f: JobFixture) -> None:
     registry.schedule("declared", every=60.0)(job)
     registry.schedule("nightly", every=90.0)(job)
     for declared in registry.schedules:
-        write_declared(c, declared)
+        write_declared(c, declared.spec)
 
 
 def _now(c: Connection) -> datetime:

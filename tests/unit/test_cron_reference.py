@@ -1,6 +1,6 @@
 """Cron occurrences against an independent brute-force reference: random expressions, zones.
 
-The reference below shares nothing with `sqlalchemy_pgtask._cron` or croniter: it expands
+The reference below shares nothing with `schedule.recurrence` or croniter: it expands
 each field itself, matches whole days (day-of-month and day-of-week OR-ed when both are
 restricted, croniter's rule), and maps wall times to instants by scanning real time for the
 Debian rules documented in docs/schedules.md (a missing fixed time runs at the first instant
@@ -21,7 +21,7 @@ from zoneinfo import ZoneInfo
 import pytest
 
 from sqlalchemy_pgtask import InvalidOptionError
-from sqlalchemy_pgtask._cron import Recurrence, RecurrenceError, check_cron
+from sqlalchemy_pgtask.schedule.recurrence import Recurrence, RecurrenceError, check_cron
 
 UTC = timezone.utc
 MONTHS = ["jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"]

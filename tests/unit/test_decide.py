@@ -22,7 +22,7 @@ from sqlalchemy_pgtask import (
     RetryPolicy,
     TaskCancelled,
 )
-from sqlalchemy_pgtask.context import StopReason
+from sqlalchemy_pgtask.durable.context import StopReason
 from sqlalchemy_pgtask.outcome import Outcome, decide
 
 NO_JITTER = RetryPolicy.fixed(5.0, jitter=False)

@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from sqlalchemy_pgtask import _ids
-from sqlalchemy_pgtask._enqueue_plan import new_ids as _uuid7s
+from sqlalchemy_pgtask.enqueue.plan import new_ids as _uuid7s
 
 
 def test_ids_are_version_7_with_the_rfc_variant() -> None:

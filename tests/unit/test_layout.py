@@ -104,14 +104,15 @@ def test_the_worker_and_the_cli_use_no_private_module_of_the_client(package: str
         if not inside(t) and any(part.startswith("_") for part in t.split(".")[1:])
         # The seams meant for them: the connection, logging, waiting without losing a
         # cancellation, the validation of a task to add (a spawned child is checked
-        # exactly like an enqueued task), hot statements sent as text compiled once
+        # exactly like an enqueued task, through `enqueue.plan`), hot statements sent as text compiled once
         # (the worker's claim and outcome writes, like the client's enqueue), and which
         # failures are retried after what backoff (the result waiters' listener too), and
-        # what a database URL is (libpq's multi-host form included).
+        # what a database URL is (libpq's multi-host form included), the package's version
+        # and the defaults of a task.
         and t not in (
             f"{ROOT}._connection", f"{ROOT}._logging", f"{ROOT}._asyncio",
-            f"{ROOT}._enqueue_plan", f"{ROOT}._driver_sql", f"{ROOT}._failures",
-            f"{ROOT}._url",
+            f"{ROOT}._driver_sql", f"{ROOT}._failures", f"{ROOT}._url",
+            f"{ROOT}._version", f"{ROOT}._defaults",
         )
     }
     assert private == set()

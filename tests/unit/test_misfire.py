@@ -1,4 +1,4 @@
-"""The grace and the misfire policies (`sqlalchemy_pgtask._misfire`): an occurrence late by
+"""The grace and the misfire policies (`sqlalchemy_pgtask.schedule.misfire`): an occurrence late by
 at most the grace is created under every policy; only older ones are missed and decided by
 the policy. Pure: no database.
 """
@@ -9,8 +9,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from sqlalchemy_pgtask._cron import Recurrence
-from sqlalchemy_pgtask._misfire import MISFIRE_GRACE, Occurrences, grace, plan_occurrences
+from sqlalchemy_pgtask.schedule.misfire import MISFIRE_GRACE, Occurrences, grace, plan_occurrences
+from sqlalchemy_pgtask.schedule.recurrence import Recurrence
 
 UTC = timezone.utc
 T0 = datetime(2030, 6, 3, 10, 0, tzinfo=UTC)

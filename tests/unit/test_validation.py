@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from sqlalchemy_pgtask._enqueue_plan import EnqueueRequest, new_ids, validate_request
+from sqlalchemy_pgtask.enqueue.plan import EnqueueRequest, new_ids, validate_request
 from sqlalchemy_pgtask.errors import (
     InvalidNameError,
     InvalidOptionError,

@@ -19,6 +19,7 @@ from typing import Any, Final, NamedTuple
 from sqlalchemy import Executable
 
 from sqlalchemy_pgtask import statements, telemetry
+from sqlalchemy_pgtask._defaults import DEFAULT_QUEUE
 from sqlalchemy_pgtask._ids import new_ids
 from sqlalchemy_pgtask.errors import IdempotencyConflict, InvalidOptionError, ValidationError
 from sqlalchemy_pgtask.validation import (
@@ -38,7 +39,6 @@ from sqlalchemy_pgtask.validation import (
 )
 
 __all__ = [
-    "DEFAULT_QUEUE",
     "EnqueueRequest",
     "EnqueueResult",
     "Plan",
@@ -51,8 +51,6 @@ __all__ = [
     "validate_many",
     "validate_request",
 ]
-
-DEFAULT_QUEUE: Final = "default"
 
 #: How often a key left open by a concurrent transaction is looked at again before giving up.
 _KEY_ROUNDS: Final = 3
@@ -122,7 +120,7 @@ class TaskRow(NamedTuple):
     headers: str
     priority: int
     max_attempts: int | None
-    #: The fields above, in this order, are a ``COPY`` row (`sqlalchemy_pgtask._enqueue_copy`).
+    #: The fields above, in this order, are a ``COPY`` row (`sqlalchemy_pgtask.enqueue.copy`).
     timeout: float | None
     run_at: datetime | None
     delay: float

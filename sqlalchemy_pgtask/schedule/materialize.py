@@ -41,10 +41,10 @@ from typing import Any, Final
 from sqlalchemy import Connection, select, text
 from sqlalchemy.exc import DBAPIError
 
-from sqlalchemy_pgtask._cron import Recurrence, RecurrenceError
-from sqlalchemy_pgtask._enqueue_plan import new_ids
 from sqlalchemy_pgtask._failures import HELD_BACK, brief, is_transient
-from sqlalchemy_pgtask._misfire import Occurrences, plan_occurrences
+from sqlalchemy_pgtask._ids import new_ids
+from sqlalchemy_pgtask.schedule.misfire import Occurrences, plan_occurrences
+from sqlalchemy_pgtask.schedule.recurrence import Recurrence, RecurrenceError
 from sqlalchemy_pgtask.statements import NOW
 from sqlalchemy_pgtask.statements.schedule import ADVANCE, DUE_SCHEDULES, MATERIALIZE, NOTE_ERROR
 

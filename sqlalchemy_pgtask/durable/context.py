@@ -22,19 +22,17 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
+from typing import Any, Literal, TypeVar, overload
 
 from sqlalchemy_pgtask import telemetry
+from sqlalchemy_pgtask._defaults import TaskTarget
 from sqlalchemy_pgtask.control import LeaseLost, TaskCancelled
-from sqlalchemy_pgtask.durable import (
+from sqlalchemy_pgtask.durable.types import (
     ChildResult,
     DurableRuntime,
     SyncTransactionStep,
     TransactionStep,
 )
-
-if TYPE_CHECKING:
-    from sqlalchemy_pgtask.registry import TaskDefinition
 
 __all__ = ["BaseTaskContext", "StopReason", "SyncTaskContext", "TaskContext"]
 
@@ -200,7 +198,7 @@ class TaskContext(BaseTaskContext):
     async def spawn(
         self,
         step: str,
-        name: str | TaskDefinition[Any, Any],
+        name: str | TaskTarget,
         payload: Any = None,
         *,
         occurrence: int = 0,
@@ -303,7 +301,7 @@ class SyncTaskContext(BaseTaskContext):
     def spawn(
         self,
         step: str,
-        name: str | TaskDefinition[Any, Any],
+        name: str | TaskTarget,
         payload: Any = None,
         *,
         occurrence: int = 0,

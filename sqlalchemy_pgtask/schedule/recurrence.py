@@ -1,5 +1,5 @@
 """_cron: when a schedule's occurrences fall; pure, no I/O (what a late one becomes is
-`sqlalchemy_pgtask._misfire`'s).
+`sqlalchemy_pgtask.schedule.misfire`'s).
 
 Cron expressions are parsed and matched by ``croniter`` (5 fields, or 6 with seconds first),
 always on naive wall-clock times of the schedule's time zone; this module maps those wall

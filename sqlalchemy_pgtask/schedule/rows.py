@@ -25,11 +25,11 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from sqlalchemy_pgtask._atomic import audited_unit
 from sqlalchemy_pgtask._connection import READY_CHANNEL, WAKE_ALL, translated_errors
-from sqlalchemy_pgtask._cron import Recurrence, RecurrenceError
-from sqlalchemy_pgtask._schedule_spec import DEFINITION_FIELDS, ScheduleSpec
 from sqlalchemy_pgtask.audit import audit_statement
 from sqlalchemy_pgtask.errors import PgTaskError
 from sqlalchemy_pgtask.models import Schedule
+from sqlalchemy_pgtask.schedule.recurrence import Recurrence, RecurrenceError
+from sqlalchemy_pgtask.schedule.spec import DEFINITION_FIELDS, ScheduleSpec
 from sqlalchemy_pgtask.statements import NOW
 
 __all__ = ["UPCOMING", "ScheduleInfo", "ScheduleNotFound", "change", "read", "write"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
-from typing import Any, Final
+from typing import Any
 
 from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
@@ -27,10 +27,11 @@ from sqlalchemy_pgtask._connection import (
     sync_bind,
     translated_errors,
 )
+from sqlalchemy_pgtask._defaults import DEFAULT_MAX_ATTEMPTS, DEFAULT_QUEUE
 from sqlalchemy_pgtask._driver_sql import execute, execute_async
-from sqlalchemy_pgtask._enqueue_copy import copy_rows_async, copy_rows_sync, copyable
-from sqlalchemy_pgtask._enqueue_plan import (
-    DEFAULT_QUEUE,
+from sqlalchemy_pgtask._prepared import unprepared, unprepared_async
+from sqlalchemy_pgtask.enqueue.copy import copy_rows_async, copy_rows_sync, copyable
+from sqlalchemy_pgtask.enqueue.plan import (
     EnqueueRequest,
     EnqueueResult,
     Plan,
@@ -39,7 +40,6 @@ from sqlalchemy_pgtask._enqueue_plan import (
     plan_one,
     validate_many,
 )
-from sqlalchemy_pgtask._prepared import unprepared, unprepared_async
 
 __all__ = [
     "DEFAULT_MAX_ATTEMPTS",
@@ -51,10 +51,6 @@ __all__ = [
     "enqueue_many",
     "enqueue_many_async",
 ]
-
-#: The ``max_attempts`` of a handler registered without one.
-DEFAULT_MAX_ATTEMPTS: Final = 5
-
 
 def _execute(bind: Session | Connection, plan: Plan) -> list[EnqueueResult]:
     connection = connection_of(bind)

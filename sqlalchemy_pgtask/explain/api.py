@@ -44,8 +44,9 @@ from sqlalchemy_pgtask._connection import (
     parse_task_id,
     translated_errors,
 )
-from sqlalchemy_pgtask._explain_facts import read_facts
-from sqlalchemy_pgtask._explain_reasons import (
+from sqlalchemy_pgtask.errors import TaskNotFound
+from sqlalchemy_pgtask.explain.facts import read_facts
+from sqlalchemy_pgtask.explain.reasons import (
     REASON_CODES,
     Explanation,
     Reason,
@@ -53,7 +54,6 @@ from sqlalchemy_pgtask._explain_reasons import (
     WorkerSlots,
     reasons_of,
 )
-from sqlalchemy_pgtask.errors import TaskNotFound
 
 __all__ = [
     "REASON_CODES",

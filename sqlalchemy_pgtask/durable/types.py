@@ -12,11 +12,11 @@ from collections.abc import Coroutine, Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
+from sqlalchemy_pgtask._defaults import TaskTarget
+
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
     from sqlalchemy.orm import Session
-
-    from sqlalchemy_pgtask.registry import TaskDefinition
 
 __all__ = [
     "ChildResult",
@@ -100,7 +100,7 @@ class DurableRuntime(Protocol):
     ) -> Any: ...
 
     async def spawn(
-        self, key: StepKey, name: str | TaskDefinition[Any, Any], payload: Any,
+        self, key: StepKey, name: str | TaskTarget, payload: Any,
         options: Mapping[str, Any],
     ) -> uuid.UUID: ...
 

@@ -12,9 +12,14 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Final
 
-from sqlalchemy_pgtask._cron import Recurrence, check_cron, check_interval, check_timezone
 from sqlalchemy_pgtask.errors import InvalidOptionError
 from sqlalchemy_pgtask.models._operations import CATCH_UP_MAX, MISFIRE_POLICIES, OVERLAP_POLICIES
+from sqlalchemy_pgtask.schedule.recurrence import (
+    Recurrence,
+    check_cron,
+    check_interval,
+    check_timezone,
+)
 from sqlalchemy_pgtask.validation import (
     INT2_MAX,
     INT2_MIN,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Final, Literal, get_args
 
-from sqlalchemy_pgtask._explain_facts import Facts, HandlerWorker, RateFacts, refill_time
+from sqlalchemy_pgtask.explain.facts import Facts, HandlerWorker, RateFacts, refill_time
 from sqlalchemy_pgtask.models._durable import sleep_deadline
 from sqlalchemy_pgtask.states import CANCELLED, FAILED, PENDING, RUNNING, WAITING, TaskState
 

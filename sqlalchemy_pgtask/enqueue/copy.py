@@ -23,7 +23,7 @@ from sqlalchemy.exc import DBAPIError, StatementError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 if TYPE_CHECKING:
-    from sqlalchemy_pgtask._enqueue_plan import TaskRow
+    from sqlalchemy_pgtask.enqueue.plan import TaskRow
 
 __all__ = ["COPY_MIN_ROWS", "copy_rows_async", "copy_rows_sync", "copyable"]
 

@@ -32,16 +32,18 @@ from sqlalchemy_pgtask._connection import (
     sync_bind,
     translated_errors,
 )
-from sqlalchemy_pgtask._enqueue_plan import DEFAULT_QUEUE
-from sqlalchemy_pgtask._materialize import (
+from sqlalchemy_pgtask._defaults import DEFAULT_QUEUE, TaskTarget
+from sqlalchemy_pgtask._prepared import unprepared_async
+from sqlalchemy_pgtask.audit import check_actor, check_reason
+from sqlalchemy_pgtask.models._operations import MISFIRE_POLICIES, OVERLAP_POLICIES
+from sqlalchemy_pgtask.schedule.materialize import (
     MaterializeReport,
     apply_plans,
     lock_due,
     materialize_in,
     plan_due,
 )
-from sqlalchemy_pgtask._prepared import unprepared_async
-from sqlalchemy_pgtask._schedule_rows import (
+from sqlalchemy_pgtask.schedule.rows import (
     UPCOMING,
     ScheduleInfo,
     ScheduleNotFound,
@@ -49,10 +51,7 @@ from sqlalchemy_pgtask._schedule_rows import (
     read,
     write,
 )
-from sqlalchemy_pgtask._schedule_spec import ScheduleSpec, schedule_spec
-from sqlalchemy_pgtask.audit import check_actor, check_reason
-from sqlalchemy_pgtask.models._operations import MISFIRE_POLICIES, OVERLAP_POLICIES
-from sqlalchemy_pgtask.registry import DeclaredSchedule, TaskDefinition
+from sqlalchemy_pgtask.schedule.spec import ScheduleSpec, schedule_spec
 from sqlalchemy_pgtask.validation import check_int_range, check_task_name
 
 __all__ = [
@@ -79,13 +78,13 @@ __all__ = [
 
 
 def _spec(
-    name: str, task: str | TaskDefinition[Any, Any], queue: str | None, version: int | None,
+    name: str, task: str | TaskTarget, queue: str | None, version: int | None,
     options: dict[str, Any],
 ) -> ScheduleSpec:
-    if isinstance(task, TaskDefinition):
-        task_name, default_queue, default_version = task.name, task.queue, task.version
-    else:
+    if isinstance(task, str):
         task_name, default_queue, default_version = task, DEFAULT_QUEUE, 1
+    else:
+        task_name, default_queue, default_version = task.name, task.queue, task.version
     return schedule_spec(
         name, task_name=task_name, queue=default_queue if queue is None else queue,
         version=default_version if version is None else version, **options,
@@ -96,7 +95,7 @@ def set_schedule(
     bind: SyncBind,
     name: str,
     *,
-    task: str | TaskDefinition[Any, Any],
+    task: str | TaskTarget,
     cron: str | None = None,
     every: float | timedelta | None = None,
     timezone: str = "UTC",
@@ -140,7 +139,7 @@ async def set_schedule_async(
     bind: AsyncBind,
     name: str,
     *,
-    task: str | TaskDefinition[Any, Any],
+    task: str | TaskTarget,
     cron: str | None = None,
     every: float | timedelta | None = None,
     timezone: str = "UTC",
@@ -294,11 +293,11 @@ async def _materialize_async(
 
 
 def write_declared(
-    connection: Connection, declared: DeclaredSchedule, actor: str | None = None
+    connection: Connection, spec: ScheduleSpec, actor: str | None = None
 ) -> ScheduleInfo:
     """Write one schedule declared in code (``declared`` true) in ``connection``'s
     transaction, keeping the cursor when the definition is unchanged (for the worker)."""
-    return write(connection, declared.spec, check_actor(actor), True)
+    return write(connection, spec, check_actor(actor), True)
 
 
 def materialize_schedules(

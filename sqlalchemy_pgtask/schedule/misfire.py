@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Final
 
-from sqlalchemy_pgtask._cron import Recurrence
+from sqlalchemy_pgtask.schedule.recurrence import Recurrence
 
 __all__ = ["GRACE_OCCURRENCES", "MISFIRE_GRACE", "Occurrences", "grace", "plan_occurrences"]
 
