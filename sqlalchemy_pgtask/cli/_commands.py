@@ -9,11 +9,11 @@ import importlib
 import os
 import sys
 
-from sqlalchemy_pgtask import Registry, WorkerOptions
 from sqlalchemy_pgtask._logging import configure_logging
 from sqlalchemy_pgtask.cli._connection import database_url
 from sqlalchemy_pgtask.cli._errors import EXIT_OK, UsageError
-from sqlalchemy_pgtask.worker import run
+from sqlalchemy_pgtask.registry import Registry
+from sqlalchemy_pgtask.worker import WorkerOptions, run
 
 __all__ = ["demo", "init_alembic", "load_registry", "migrate", "worker"]
 

@@ -16,8 +16,9 @@ from typing import Final, TypeVar
 from sqlalchemy import Connection, create_engine
 from sqlalchemy.pool import NullPool
 
-from sqlalchemy_pgtask import SchemaNotInstalled, _url, status
+from sqlalchemy_pgtask import _url, status
 from sqlalchemy_pgtask.cli._errors import UsageError
+from sqlalchemy_pgtask.errors import SchemaNotInstalled
 
 __all__ = ["URL_ENV", "database_url", "in_transaction"]
 

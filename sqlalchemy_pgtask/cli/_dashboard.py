@@ -18,10 +18,11 @@ from typing import Any, Final
 
 from sqlalchemy import create_engine
 
-from sqlalchemy_pgtask import SchemaNotInstalled, status
+from sqlalchemy_pgtask import status
 from sqlalchemy_pgtask.cli._connection import URL_ENV, database_url
 from sqlalchemy_pgtask.cli._errors import EXIT_OK, UsageError
 from sqlalchemy_pgtask.cli._types import int_between, positive_seconds
+from sqlalchemy_pgtask.errors import SchemaNotInstalled
 
 __all__ = ["TOKEN_ENV", "add_commands", "dashboard"]
 

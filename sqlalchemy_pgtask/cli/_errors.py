@@ -18,7 +18,7 @@ from typing import Final
 import psycopg
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from sqlalchemy_pgtask import PgTaskError, ValidationError
+from sqlalchemy_pgtask.errors import PgTaskError, ValidationError
 
 __all__ = [
     "EXIT_FAILURE",

@@ -18,19 +18,15 @@ from typing import Any, Final
 
 from sqlalchemy import Connection
 
-from sqlalchemy_pgtask import (
-    QueueFull,
-    TaskNotFound,
-    cancel,
-    configure_queue,
-    list_queues,
-    status,
-)
+from sqlalchemy_pgtask import status
 from sqlalchemy_pgtask.admin import pause_queue, resume_queue, retry
 from sqlalchemy_pgtask.audit import AUDIT_LIMIT_MAX, AuditRecord, list_audit
 from sqlalchemy_pgtask.cli import _render
 from sqlalchemy_pgtask.cli._connection import in_transaction
 from sqlalchemy_pgtask.cli._errors import EXIT_OK, UsageError
+from sqlalchemy_pgtask.client import cancel
+from sqlalchemy_pgtask.errors import QueueFull, TaskNotFound
+from sqlalchemy_pgtask.queues import configure_queue, list_queues
 from sqlalchemy_pgtask.states import RUNNING
 
 __all__ = [

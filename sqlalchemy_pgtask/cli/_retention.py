@@ -12,10 +12,11 @@ from typing import Any
 from sqlalchemy import create_engine
 from sqlalchemy.pool import NullPool
 
-from sqlalchemy_pgtask import SchemaNotInstalled, status
+from sqlalchemy_pgtask import status
 from sqlalchemy_pgtask.cli._connection import URL_ENV, database_url
 from sqlalchemy_pgtask.cli._errors import EXIT_OK
 from sqlalchemy_pgtask.cli._types import int_between, seconds
+from sqlalchemy_pgtask.errors import SchemaNotInstalled
 from sqlalchemy_pgtask.retention import (
     BATCH_SIZE_MAX,
     WORKER_RETENTION_SECONDS,

@@ -1,4 +1,4 @@
-"""context: what a running handler knows about its task, and its durable calls.
+"""durable.context: what a running handler knows about its task, and its durable calls.
 
 An ``async def`` handler gets a `TaskContext`, a plain ``def`` handler a `SyncTaskContext`;
 both carry the task's identity and the stop request, and offer the same durable calls

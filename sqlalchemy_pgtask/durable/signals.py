@@ -1,4 +1,4 @@
-"""signals: send a named event to a task, inside the caller's transaction, like `enqueue`.
+"""durable.signals: send a named event to a task, inside the caller's transaction, like `enqueue`.
 
 A signal is immutable: the first value committed under (task, name, occurrence) wins, and
 sending it again returns the stored value. It may arrive before the task waits for it (it is

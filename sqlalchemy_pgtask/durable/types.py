@@ -1,4 +1,4 @@
-"""durable: the types durable calls return and take; the calls themselves are on the context.
+"""durable.types: the types durable calls return and take; the calls themselves are on the context.
 
 `ChildResult` is what ``ctx.wait_for_result`` returns; `TransactionStep` and
 `SyncTransactionStep` are what ``ctx.transaction(name)`` returns. `DurableRuntime` is the

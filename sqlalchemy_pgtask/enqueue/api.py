@@ -1,4 +1,4 @@
-"""enqueue: adds tasks inside the caller's transaction; never commits, never opens a connection.
+"""enqueue.api: adds tasks inside the caller's transaction; never commits, never opens a connection.
 
 A task enqueued here exists exactly when the caller's transaction commits: if the business
 transaction rolls back, so does the task. Works with a `Session` or a `Connection`, and the

@@ -1,4 +1,4 @@
-"""_enqueue_copy: large `enqueue_many` batches sent with ``COPY`` on the caller's connection.
+"""enqueue.copy: large `enqueue_many` batches sent with ``COPY`` on the caller's connection.
 
 A batch of `COPY_MIN_ROWS` or more validated rows without idempotency keys or delays is
 copied instead of inserted: no parameter arrays to build, the same transaction, the same

@@ -1,4 +1,4 @@
-"""_enqueue_plan: turns enqueue requests into statements, and their rows into results; no I/O.
+"""enqueue.plan: turns enqueue requests into statements, and their rows into results; no I/O.
 
 Validation makes every request a `TaskRow` (JSON serialised once, id generated, every limit
 checked) before any SQL runs. Planning picks the one statement for the batch. `execution` is

@@ -1,4 +1,4 @@
-"""explain: why a task is not running now, in plain words, from the database alone; never
+"""explain.api: why a task is not running now, in plain words, from the database alone; never
 writes, never locks.
 
 `explain` reads the task and what it depends on (its queue's pause and rate limit, the live

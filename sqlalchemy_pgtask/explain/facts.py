@@ -1,4 +1,4 @@
-"""_explain_facts: what `explain` reads about one task and what it depends on; only ``SELECT``
+"""explain.facts: what `explain` reads about one task and what it depends on; only ``SELECT``
 statements, never a lock.
 
 Each read is asked only when the task's state makes it matter (a running task's worker, a

@@ -1,4 +1,4 @@
-"""_explain_reasons: the reasons a task is not running, in plain words, from the facts read
+"""explain.reasons: the reasons a task is not running, in plain words, from the facts read
 about it; pure, no I/O.
 
 A terminal, running or waiting task has one reason: its state says it all. A pending task may

@@ -1,4 +1,4 @@
-"""schedule: recurring tasks (cron or interval), managed inside the caller's transaction.
+"""schedule.api: recurring tasks (cron or interval), managed inside the caller's transaction.
 
 ::
 

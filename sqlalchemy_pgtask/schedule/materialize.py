@@ -1,4 +1,4 @@
-"""_materialize: turns due schedule occurrences into tasks, in one transaction; leaderless.
+"""schedule.materialize: turns due schedule occurrences into tasks, in one transaction; leaderless.
 
 Any number of workers (or ``materialize_schedules`` callers) may run this at once:
 

@@ -1,4 +1,4 @@
-"""_misfire: what the occurrences of a due schedule become (misfire and overlap policies);
+"""schedule.misfire: what the occurrences of a due schedule become (misfire and overlap policies);
 pure, no I/O.
 
 An occurrence late by at most the **grace** is on time: it is created whatever the policy,

@@ -1,4 +1,4 @@
-"""_cron: when a schedule's occurrences fall; pure, no I/O (what a late one becomes is
+"""schedule.recurrence: when a schedule's occurrences fall; pure, no I/O (what a late one becomes is
 `sqlalchemy_pgtask.schedule.misfire`'s).
 
 Cron expressions are parsed and matched by ``croniter`` (5 fields, or 6 with seconds first),

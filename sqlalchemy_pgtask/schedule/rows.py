@@ -1,4 +1,4 @@
-"""_schedule_rows: a schedule's row read and written in the caller's transaction; the work
+"""schedule.rows: a schedule's row read and written in the caller's transaction; the work
 behind the public functions of `sqlalchemy_pgtask.schedule`, sync only (the async twins run
 it with ``run_sync``). Never commits.
 

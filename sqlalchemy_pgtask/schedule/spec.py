@@ -1,4 +1,4 @@
-"""_schedule_spec: a schedule definition, validated before any SQL; pure, no I/O.
+"""schedule.spec: a schedule definition, validated before any SQL; pure, no I/O.
 
 Shared by `sqlalchemy_pgtask.schedule` (the API and CLI) and `Registry.schedule` (schedules
 declared in code), so both refuse the same mistakes with the same typed errors.
