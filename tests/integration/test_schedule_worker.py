@@ -229,7 +229,8 @@ async def test_occurrences_and_options_are_computed_off_the_event_loop(
 
     monkeypatch.setattr("sqlalchemy_pgtask.schedule.materialize.plan_occurrences",
                         spied("plan", plan_occurrences))
-    monkeypatch.setattr("sqlalchemy_pgtask.schedule.api.schedule_spec", spied("check", schedule_spec))
+    monkeypatch.setattr("sqlalchemy_pgtask.schedule.api.schedule_spec",
+                        spied("check", schedule_spec))
     set_now(pgtask_clock, T0)
     async with AsyncSession(pgtask_async_engine) as session:
         await set_schedule_async(session, "minutely", task="job", cron="* * * * *")
