@@ -6,7 +6,6 @@ the change and its audit entry in one transaction. A refused request writes noth
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection
 from starlette.datastructures import FormData
@@ -16,16 +15,13 @@ from starlette.responses import RedirectResponse, Response
 from sqlalchemy_pgtask.admin import pause_queue, resume_queue
 from sqlalchemy_pgtask.admin import retry as retry_task
 from sqlalchemy_pgtask.client import cancel as cancel_task
+from sqlalchemy_pgtask.dashboard._base import Dashboard
 from sqlalchemy_pgtask.dashboard._security import CSRF_FIELD, check_operator_name
 from sqlalchemy_pgtask.dashboard._throttle import Throttled
 from sqlalchemy_pgtask.status import parse_task_id
 from sqlalchemy_pgtask.validation import check_queue_name
 
-if TYPE_CHECKING:
-    from sqlalchemy_pgtask.dashboard._app import Dashboard
-
 __all__ = ["cancel", "login", "login_form", "logout", "pause", "resume", "retry"]
-
 
 
 async def _form(dashboard: Dashboard, request: Request) -> FormData | Response:

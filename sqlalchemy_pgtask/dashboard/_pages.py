@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from sqlalchemy import Connection
 from starlette.requests import Request
@@ -14,6 +14,7 @@ from starlette.responses import Response
 
 from sqlalchemy_pgtask import status
 from sqlalchemy_pgtask.audit import list_audit
+from sqlalchemy_pgtask.dashboard._base import Dashboard, NotFound
 from sqlalchemy_pgtask.dashboard._queries import (
     PAGE_SIZE_MAX,
     capabilities,
@@ -26,9 +27,6 @@ from sqlalchemy_pgtask.errors import InvalidOptionError
 from sqlalchemy_pgtask.queues import list_queues
 from sqlalchemy_pgtask.schedule import list_schedules
 from sqlalchemy_pgtask.states import TASK_STATES
-
-if TYPE_CHECKING:
-    from sqlalchemy_pgtask.dashboard._app import Dashboard
 
 __all__ = ["audit", "overview", "schedules", "task", "tasks", "workers"]
 
@@ -140,8 +138,6 @@ async def tasks(dashboard: Dashboard, request: Request) -> Response:
 
 
 async def task(dashboard: Dashboard, request: Request) -> Response:
-    from sqlalchemy_pgtask.dashboard._app import NotFound
-
     task_id = status.parse_task_id(request.path_params["task_id"])
 
     def read(connection: Connection) -> dict[str, Any] | None:

@@ -20,11 +20,10 @@ from typing import Final
 
 import pytest
 
-from tests.acceptance.test_dashboard_command import DashboardProcess, free_port
+from tests.acceptance.conftest import DashboardProcess, free_port
 from tests.support.waiting import wait_until
-from tests.support.workerproc import PGTASK, Database, cli_env, lines, run_cli
+from tests.support.workerproc import Database, lines, run_cli
 
-STARTUP_TIMEOUT: Final = 30.0
 #: The child's descriptor limit, soft and hard (so it cannot raise it).
 FD_LIMIT: Final = 256
 #: The start of a request whose head never ends (no blank line).
@@ -41,32 +40,16 @@ def _small_fd_limit() -> None:
 
 
 @pytest.fixture
-def limited(tmp_path: Path) -> Iterator[Callable[..., DashboardProcess]]:
+def limited(
+    dashboards: Callable[..., DashboardProcess],
+) -> Callable[..., DashboardProcess]:
     """Start ``pgtask dashboard`` with a descriptor limit of `FD_LIMIT` and ARGS, once it
     answers; every one is stopped at teardown."""
-    started: list[DashboardProcess] = []
 
     def start(database_url: str, *args: str) -> DashboardProcess:
-        port = free_port()
-        log_path = tmp_path / f"dashboard-{len(started)}.log"
-        log_file = log_path.open("wb")
-        process = subprocess.Popen(
-            [str(PGTASK), "dashboard", "--database-url", database_url, "--host", "127.0.0.1",
-             "--port", str(port), "--log-level", "warning", *args],
-            cwd=tmp_path, env=cli_env(), stdout=log_file, stderr=subprocess.STDOUT,
-            preexec_fn=_small_fd_limit,
-        )
-        dashboard = DashboardProcess(process, log_path, log_file, f"http://127.0.0.1:{port}")
-        started.append(dashboard)
-        wait_until(dashboard.answers, STARTUP_TIMEOUT, interval=0.1,
-                   message="the dashboard to answer GET /", describe=dashboard.describe)
-        return dashboard
+        return dashboards(database_url, *args, log_level="warning", preexec_fn=_small_fd_limit)
 
-    try:
-        yield start
-    finally:
-        for dashboard in started:
-            dashboard.stop()
+    return start
 
 
 @pytest.fixture

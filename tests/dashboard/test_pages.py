@@ -247,7 +247,7 @@ def test_a_page_whose_query_runs_too_long_is_cancelled_and_says_so(
     shared_client_for: Callable[..., TestClient], shared: Shared,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("sqlalchemy_pgtask.dashboard._app._READ_TIMEOUT_MS", "200")
+    monkeypatch.setattr("sqlalchemy_pgtask.dashboard._base._READ_TIMEOUT_MS", "200")
     client = shared_client_for()
     # Another transaction's lock makes the page's query wait: waiting counts as running.
     with shared.engine.connect() as locker, locker.begin():
