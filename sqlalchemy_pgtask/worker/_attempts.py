@@ -6,6 +6,9 @@ An attempt occupies a *slot* while its handler runs (at most ``concurrency``), a
 finished attempts (``concurrency + prefetch``) wait for the writer, no handler starts: the
 claim loop's back-pressure on a slow database. A row claimed ahead that is handed back
 without running is active, holding no slot, until its release is written.
+
+`Observer` is the hooks the loops report to (`NO_OBSERVER` does nothing); `_observer` has the
+one that traces and counts.
 """
 
 from __future__ import annotations
@@ -15,15 +18,17 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Final
 
 from sqlalchemy_pgtask.durable.context import BaseTaskContext
 from sqlalchemy_pgtask.registry import TaskDefinition
 from sqlalchemy_pgtask.retry import RetryPolicy
 from sqlalchemy_pgtask.statements import Lease
-from sqlalchemy_pgtask.worker._observer import NO_OBSERVER, Observer
 
-__all__ = ["ActiveAttempt", "AttemptBook"]
+if TYPE_CHECKING:
+    from sqlalchemy_pgtask.outcome import Outcome
+
+__all__ = ["NO_OBSERVER", "ActiveAttempt", "AttemptBook", "Observer"]
 
 
 @dataclass(eq=False)
@@ -125,3 +130,46 @@ class AttemptBook:
     def running(self) -> list[ActiveAttempt]:
         """Attempts whose handler still runs."""
         return [a for a in self.active.values() if not a.settled]
+
+
+class Observer:
+    """The hooks; this base does nothing (`NO_OBSERVER`)."""
+
+    def attempt_started(self, attempt: ActiveAttempt) -> None:
+        """A handler is about to run (called in the attempt's own asyncio task)."""
+
+    def attempt_finished(
+        self, attempt: ActiveAttempt, outcome: Outcome | None, raised: BaseException | None
+    ) -> None:
+        """The handler ended and ``outcome`` was decided (same task as `attempt_started`)."""
+
+    def outcome_written(self, attempt: ActiveAttempt, outcome: Outcome, state: str) -> None:
+        """The writer stored ``outcome``; the task is now in ``state``."""
+
+    def outcome_lost(self, attempt: ActiveAttempt, outcome: Outcome) -> None:
+        """``outcome`` was not written: the attempt's lease was gone by then."""
+
+    def outcome_given_up(self, attempt: ActiveAttempt, outcome: Outcome, reason: str) -> None:
+        """The writer gave ``outcome`` up after tries cut short (``reason``: the last one's
+        ``lock_not_available`` or ``statement_timeout``); its lease is left to expire."""
+
+    def claimed(self, count: int) -> None:
+        """A claim statement took ``count`` tasks."""
+
+    def leases_renewed(self, count: int) -> None:
+        """A renewal extended ``count`` leases."""
+
+    def lease_lost(self, reason: str) -> None:
+        """A handler was stopped for its lease (``lost`` or ``expiring``)."""
+
+    def connected(self, owner: object) -> None:
+        """``owner`` (a held connection, the listener) has a connection; again after a loss."""
+
+    async def start(self) -> None:
+        """Before the worker starts: open the probe server."""
+
+    async def stop(self) -> None:
+        """When the worker has stopped: close it."""
+
+
+NO_OBSERVER: Final = Observer()

@@ -13,18 +13,16 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from sqlalchemy import Executable, Row
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from sqlalchemy_pgtask.control import LeaseLost
 from sqlalchemy_pgtask.worker._attempts import AttemptBook
+from sqlalchemy_pgtask.worker._ports import CallOwner
 from sqlalchemy_pgtask.worker._reconnect import Backoff, HeldConnection, brief, is_transient
 from sqlalchemy_pgtask.worker._transactions import TransactionEngines
-
-if TYPE_CHECKING:
-    from sqlalchemy_pgtask.worker._durable import DurableAttempt
 
 __all__ = ["DurableCalls"]
 
@@ -81,7 +79,7 @@ class DurableCalls:
         return True
 
     async def _once(
-        self, owner: DurableAttempt, body: Callable[[AsyncConnection], Awaitable[T]],
+        self, owner: CallOwner, body: Callable[[AsyncConnection], Awaitable[T]],
         transaction: bool,
     ) -> T:
         async with self._connection(owner) as connection:
@@ -93,7 +91,7 @@ class DurableCalls:
             return result
 
     async def _shielded(
-        self, owner: DurableAttempt, body: Callable[[AsyncConnection], Awaitable[T]],
+        self, owner: CallOwner, body: Callable[[AsyncConnection], Awaitable[T]],
         transaction: bool,
     ) -> T:
         """`_once` in a task of its own, which a cancellation of the handler never reaches:
@@ -119,7 +117,7 @@ class DurableCalls:
 
     async def run(
         self,
-        owner: DurableAttempt,
+        owner: CallOwner,
         body: Callable[[AsyncConnection], Awaitable[T]],
         *,
         transaction: bool = False,
@@ -144,7 +142,7 @@ class DurableCalls:
                 await asyncio.sleep(wait)
 
     async def rows(
-        self, owner: DurableAttempt, statement: Executable, params: Mapping[str, Any]
+        self, owner: CallOwner, statement: Executable, params: Mapping[str, Any]
     ) -> Sequence[Row[Any]]:
         async def body(connection: AsyncConnection) -> Sequence[Row[Any]]:
             return (await connection.execute(statement, params)).all()

@@ -16,8 +16,8 @@ from collections.abc import Callable, Collection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from sqlalchemy_pgtask._connection import READY_CHANNEL, WAKE_ALL, listening_connection
+from sqlalchemy_pgtask.worker._attempts import NO_OBSERVER, Observer
 from sqlalchemy_pgtask.worker._deadlines import Liveness, severing
-from sqlalchemy_pgtask.worker._observer import NO_OBSERVER, Observer
 from sqlalchemy_pgtask.worker._reconnect import Backoff, brief, is_transient
 
 __all__ = ["Listener"]

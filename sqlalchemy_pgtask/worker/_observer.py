@@ -2,9 +2,11 @@
 never fails the loop that calls it.
 
 The loops call the hooks of one `Observer` (the attempt book carries it, so every loop that
-shares the book reaches it). The default, `NO_OBSERVER`, does nothing: with OpenTelemetry not
-installed and no metrics port, a hook is one method call that returns at once. A hook that
-fails (a broken exporter) is logged and forgotten; the task's work never depends on it.
+shares the book reaches it; the base is defined beside the book, in `_attempts`, so that the
+loops need not import this module). The default, `NO_OBSERVER`, does nothing: with
+OpenTelemetry not installed and no metrics port, a hook is one method call that returns at
+once. A hook that fails (a broken exporter) is logged and forgotten; the task's work never
+depends on it.
 
 Attempts are counted by what was written, when it was written (the statement says the task's
 new state): a success fenced out, or stored as cancelled by a request only the database knew,
@@ -22,65 +24,70 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Protocol
 
 from sqlalchemy_pgtask import telemetry
+from sqlalchemy_pgtask.worker._attempts import NO_OBSERVER, Observer
 
 if TYPE_CHECKING:
+    import uuid
+    from collections.abc import Mapping
+
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
     from sqlalchemy_pgtask.outcome import Outcome
-    from sqlalchemy_pgtask.worker._attempts import ActiveAttempt
+    from sqlalchemy_pgtask.worker._attempts import ActiveAttempt, AttemptBook
+    from sqlalchemy_pgtask.worker._completer import Completer
+    from sqlalchemy_pgtask.worker._deadlines import Liveness
     from sqlalchemy_pgtask.worker._http import ProbeServer, Response
+    from sqlalchemy_pgtask.worker._listener import Listener
     from sqlalchemy_pgtask.worker._metrics import Metrics
-    from sqlalchemy_pgtask.worker._runtime import Worker
+    from sqlalchemy_pgtask.worker._options import WorkerOptions
+    from sqlalchemy_pgtask.worker._producer import Producer
+    from sqlalchemy_pgtask.worker._reconnect import HeldConnection
 
 __all__ = [
-    "NO_OBSERVER", "Observer", "WorkerObserver", "describe_outcome", "observe", "written_label",
+    "NO_OBSERVER", "ObservedWorker", "Observer", "WorkerObserver", "describe_outcome", "observe",
+    "written_label",
 ]
 
 logger = logging.getLogger("sqlalchemy_pgtask.worker")
 
 
-class Observer:
-    """The hooks; this base does nothing (`NO_OBSERVER`)."""
+class ObservedWorker(Protocol):
+    """What the observer reads of the worker it watches (the `Worker`): a protocol, so that
+    this part does not import the runtime that composes it."""
 
-    def attempt_started(self, attempt: ActiveAttempt) -> None:
-        """A handler is about to run (called in the attempt's own asyncio task)."""
-
-    def attempt_finished(
-        self, attempt: ActiveAttempt, outcome: Outcome | None, raised: BaseException | None
-    ) -> None:
-        """The handler ended and ``outcome`` was decided (same task as `attempt_started`)."""
-
-    def outcome_written(self, attempt: ActiveAttempt, outcome: Outcome, state: str) -> None:
-        """The writer stored ``outcome``; the task is now in ``state``."""
-
-    def outcome_lost(self, attempt: ActiveAttempt, outcome: Outcome) -> None:
-        """``outcome`` was not written: the attempt's lease was gone by then."""
-
-    def outcome_given_up(self, attempt: ActiveAttempt, outcome: Outcome, reason: str) -> None:
-        """The writer gave ``outcome`` up after tries cut short (``reason``: the last one's
-        ``lock_not_available`` or ``statement_timeout``); its lease is left to expire."""
-
-    def claimed(self, count: int) -> None:
-        """A claim statement took ``count`` tasks."""
-
-    def leases_renewed(self, count: int) -> None:
-        """A renewal extended ``count`` leases."""
-
-    def lease_lost(self, reason: str) -> None:
-        """A handler was stopped for its lease (``lost`` or ``expiring``)."""
-
-    def connected(self, owner: object) -> None:
-        """``owner`` (a held connection, the listener) has a connection; again after a loss."""
-
-    async def start(self) -> None:
-        """Before the worker starts: open the probe server."""
-
-    async def stop(self) -> None:
-        """When the worker has stopped: close it."""
-
-
-NO_OBSERVER: Final = Observer()
+    @property
+    def id(self) -> uuid.UUID: ...
+    @property
+    def options(self) -> WorkerOptions: ...
+    @property
+    def queues(self) -> tuple[str, ...]: ...
+    @property
+    def liveness(self) -> Liveness: ...
+    @property
+    def draining(self) -> bool: ...
+    @property
+    def _engine(self) -> AsyncEngine: ...
+    @property
+    def _crashed(self) -> tuple[str, BaseException] | None: ...
+    @property
+    def _stopping(self) -> asyncio.Event: ...
+    @property
+    def _ready(self) -> asyncio.Event: ...
+    @property
+    def _loops(self) -> Mapping[str, asyncio.Task[None]]: ...
+    @property
+    def _book(self) -> AttemptBook: ...
+    @property
+    def _completer(self) -> Completer: ...
+    @property
+    def _listener(self) -> Listener: ...
+    @property
+    def _producer(self) -> Producer: ...
+    @property
+    def _connections(self) -> Mapping[str, HeldConnection]: ...
 
 
 def describe_outcome(attempt: ActiveAttempt, outcome: Outcome | None) -> tuple[str, bool]:
@@ -121,7 +128,9 @@ class WorkerObserver(Observer):
     """Traces attempts and steps (when OpenTelemetry is installed) and keeps the metrics and
     the probe server (when the worker has a metrics port)."""
 
-    def __init__(self, worker: Worker, *, tracing: bool, metrics: Metrics | None) -> None:
+    def __init__(
+        self, worker: ObservedWorker, *, tracing: bool, metrics: Metrics | None
+    ) -> None:
         self._worker = worker
         self._tracing = tracing
         self.metrics = metrics
@@ -323,7 +332,7 @@ class WorkerObserver(Observer):
             await self.server.close()
 
 
-def observe(worker: Worker) -> Observer:
+def observe(worker: ObservedWorker) -> Observer:
     """The observer ``worker`` needs, hooked into its loops; `NO_OBSERVER` if none."""
     options = worker.options
     tracing = telemetry.ENABLED

@@ -28,6 +28,7 @@ from sqlalchemy_pgtask._asyncio import bounded
 from sqlalchemy_pgtask._failures import Backoff, brief, is_transient
 from sqlalchemy_pgtask._url import database_url
 from sqlalchemy_pgtask.errors import InvalidOptionError
+from sqlalchemy_pgtask.worker._attempts import NO_OBSERVER, Observer
 from sqlalchemy_pgtask.worker._deadlines import (
     Liveness,
     long_deadline,
@@ -35,7 +36,6 @@ from sqlalchemy_pgtask.worker._deadlines import (
     severing,
     severing_each,
 )
-from sqlalchemy_pgtask.worker._observer import NO_OBSERVER, Observer
 
 __all__ = [
     "NETWORK_DEFAULTS", "PLANNER_SETTINGS", "Backoff", "HeldConnection", "brief",

@@ -16,9 +16,10 @@ result is in ``result``.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Coroutine, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
 
-from sqlalchemy import Connection, Engine, create_engine
+from sqlalchemy import Connection, Engine, Executable, Row, create_engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
@@ -27,14 +28,19 @@ from sqlalchemy_pgtask._failures import is_serialization_failure
 from sqlalchemy_pgtask.durable.types import StepKey
 from sqlalchemy_pgtask.statements import CHECKPOINT, SAVE_CHECKPOINT
 from sqlalchemy_pgtask.validation import CHECKPOINT_MAX_BYTES, dump_json
+from sqlalchemy_pgtask.worker._ports import CallOwner
 from sqlalchemy_pgtask.worker._reconnect import is_transient, network_settings
 
 if TYPE_CHECKING:
-    from sqlalchemy_pgtask.worker._durable import DurableAttempt
+    from sqlalchemy_pgtask.statements import DurableParams
 
-__all__ = ["AsyncTransactionStep", "SyncTransactionStep", "TransactionEngines"]
+__all__ = [
+    "AsyncTransactionStep", "StepCalls", "StepRuntime", "SyncTransactionStep", "TransactionEngines",
+]
 
 _KIND = "transaction"
+
+T = TypeVar("T")
 
 
 class TransactionEngines:
@@ -83,8 +89,39 @@ class _ReplaySession(Session):
         raise _Refused("this transaction step was committed by an earlier attempt")
 
 
+class StepCalls(Protocol):
+    """The worker's durable calls (`DurableCalls`), as a transaction step uses them."""
+
+    @property
+    def engines(self) -> TransactionEngines: ...
+
+    async def rows(
+        self, owner: CallOwner, statement: Executable, params: Mapping[str, Any]
+    ) -> Sequence[Row[Any]]: ...
+
+
+class StepRuntime(CallOwner, Protocol):
+    """The attempt a step belongs to (a `DurableAttempt`): a protocol, since that module
+    imports this one."""
+
+    @property
+    def calls(self) -> StepCalls: ...
+
+    def params(self, key: StepKey) -> DurableParams: ...
+    def remember(self, key: StepKey, kind: str, value: Any) -> None: ...
+    def replayed_now(self, key: StepKey, kind: str) -> tuple[bool, Any] | None: ...
+    async def replayed(self, key: StepKey, kind: str) -> tuple[bool, Any]: ...
+    def guard(self) -> None: ...
+
+    async def fence_failed(
+        self, *, suspending: bool, unless_ours: BaseException | None = None
+    ) -> NoReturn: ...
+
+    def call(self, coroutine: Coroutine[Any, Any, T]) -> T: ...
+
+
 class _Step:
-    def __init__(self, runtime: DurableAttempt, key: StepKey) -> None:
+    def __init__(self, runtime: StepRuntime, key: StepKey) -> None:
         self._runtime = runtime
         self._key = key
         #: The block's JSON result: set it inside the block; afterwards, the stored value.
