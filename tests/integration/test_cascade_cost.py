@@ -85,8 +85,9 @@ def test_a_wait_timeout_above_a_deep_chain_is_applied(
 def test_cancelling_the_root_of_a_wide_tree_cancels_every_descendant(auto: Connection) -> None:
     root = d.add_task(auto, "root")
     add_tree(auto, root, 20_000)
-    with _budget(auto):
-        assert cancel(auto, root) == "cancelled"
+    # No time budget: a wide tree cost the old trigger one visit per task as well, so a budget
+    # here would only time 20,000 updates (it failed twice that way on a loaded 2-core box).
+    assert cancel(auto, root) == "cancelled"
     assert states_below(auto, root) == {"cancelled": 20_000}
 
 
