@@ -47,8 +47,7 @@ if TYPE_CHECKING:
     from sqlalchemy_pgtask.worker._reconnect import HeldConnection
 
 __all__ = [
-    "NO_OBSERVER", "ObservedWorker", "Observer", "WorkerObserver", "describe_outcome", "observe",
-    "written_label",
+    "ObservedWorker", "WorkerObserver", "describe_outcome", "observe", "written_label",
 ]
 
 logger = logging.getLogger("sqlalchemy_pgtask.worker")
