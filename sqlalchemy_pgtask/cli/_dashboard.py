@@ -71,10 +71,12 @@ def _serve(app: Any, args: argparse.Namespace, mode: str) -> None:
     from sqlalchemy_pgtask.cli import _serve as limits
 
     cap = limits.connection_cap()
-    listener = limits.bind(args.host, args.port)  # an OSError: one line, exit 1
-    with listener:
-        port = listener.getsockname()[1]
-        print(f"pgtask dashboard on http://{args.host}:{port}/ ({mode})", flush=True)
+    listeners = limits.bind(args.host, args.port)  # an OSError: one line, exit 1
+    with contextlib.ExitStack() as closing:
+        for listener in listeners:
+            closing.enter_context(listener)
+        port = listeners[0].getsockname()[1]
+        print(f"pgtask dashboard on {_url(args.host, port)} ({mode})", flush=True)
         # uvicorn trusts X-Forwarded-For from loopback peers unless told otherwise: behind a
         # tunnel or a proxy that passes the client's header on, every wrong token could
         # name a fresh address and never be throttled.
@@ -86,7 +88,14 @@ def _serve(app: Any, args: argparse.Namespace, mode: str) -> None:
             timeout_keep_alive=limits.KEEP_ALIVE, backlog=limits.BACKLOG,
             h11_max_incomplete_event_size=limits.HEAD_LIMIT,
         )
-        uvicorn.Server(config).run(sockets=[listener])
+        uvicorn.Server(config).run(sockets=listeners)
+
+
+def _url(host: str, port: int) -> str:
+    """The address a browser would use: an IPv6 literal in brackets, every interface
+    (``""``) as ``0.0.0.0``."""
+    shown = f"[{host}]" if ":" in host else host or "0.0.0.0"  # noqa: S104 - shown, not bound
+    return f"http://{shown}:{port}/"
 
 
 class _Stop(BaseException):
@@ -140,7 +149,11 @@ def add_commands(commands: Any) -> None:
         help=f"PostgreSQL URL, e.g. postgresql://user@host/db (default: ${URL_ENV})",
     )
     command.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
+        "--host", default="127.0.0.1",
+        help=(
+            "host or address to listen on, every address it resolves to; \"\" for every"
+            " interface (default: %(default)s)"
+        ),
     )
     command.add_argument(
         "--port", type=int_between(1, 65535), default=8080,

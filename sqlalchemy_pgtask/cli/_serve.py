@@ -14,13 +14,15 @@ metrics server does (`sqlalchemy_pgtask.worker._http`), every connection here is
   stays below the file descriptor limit (raised to the hard limit first), so the listening
   socket and the database pool always have descriptors left and a new visitor is accepted.
 
-The socket is bound here, before uvicorn starts, so an address in use or a host that does not
-resolve is an `OSError` the command reports in one line, rather than uvicorn's log and exit 3.
+The sockets are bound here, one for every address the host resolves to, before uvicorn starts,
+so an address in use or a host that does not resolve is an `OSError` the command reports in
+one line, rather than uvicorn's log and exit 3.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import resource
 import socket
 from typing import Any, ClassVar, Final
@@ -67,34 +69,57 @@ def connection_cap() -> int:
     return max(_FEWEST_CONNECTIONS, min(_MOST_CONNECTIONS, free))
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A socket listening on ``host:port``.
+def bind(host: str, port: int) -> list[socket.socket]:
+    """Sockets listening on every address ``host`` resolves to (``""``: every interface), as
+    uvicorn's own binding (asyncio's ``create_server``) listens: ``localhost`` on both
+    ``127.0.0.1`` and ``::1`` where it names both, so a browser trying either finds the
+    dashboard. An address of a family the host has not enabled is passed over, as asyncio
+    does; any other failure is the command's.
 
-    :raises OSError: the host does not resolve, or no address of it can be listened on (in
-        use, not local, no permission); the message names the address.
+    :raises OSError: the host does not resolve, or one of its addresses cannot be listened on
+        (in use, not local, no permission); the message names the host and port.
     """
     where = f"{host}:{port}"
     try:
         addresses = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
     except socket.gaierror as exc:
         raise OSError(f"cannot serve the dashboard on {where}: {exc.strerror}") from exc
-    failure: OSError | None = None
-    for family, kind, proto, _, address in addresses:
-        listener = socket.socket(family, kind, proto)
-        try:
+    listeners: list[socket.socket] = []
+    seen: set[tuple[int, object]] = set()
+    skipped: OSError | None = None
+    try:
+        for family, kind, proto, _, address in addresses:
+            if (family, address) in seen:
+                continue
+            seen.add((family, address))
+            listener = socket.socket(family, kind, proto)
+            listeners.append(listener)
             # As uvicorn does: a restart may bind while the last run's connections linger.
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind(address)
+            if family == socket.AF_INET6:
+                # Else "::" would take the IPv4 port too, and "0.0.0.0" beside it would fail.
+                listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                listener.bind(address)
+            except OSError as exc:
+                if exc.errno != errno.EADDRNOTAVAIL or len(addresses) == 1:
+                    raise OSError(
+                        f"cannot serve the dashboard on {where}: {exc.strerror}"
+                    ) from exc
+                skipped = exc  # a family this host has not enabled (asyncio's bpo-30945)
+                listeners.pop().close()
+                continue
             listener.listen(BACKLOG)
-        except OSError as exc:
+    except BaseException:
+        for listener in listeners:
             listener.close()
-            failure = exc
-            continue
-        return listener
-    reason = failure.strerror if failure is not None else "no address"
-    raise OSError(f"cannot serve the dashboard on {where}: {reason}")
+        raise
+    if not listeners:
+        reason = skipped.strerror if skipped is not None else "no address"
+        raise OSError(f"cannot serve the dashboard on {where}: {reason}")
+    return listeners
 
 
 class _LimitedH11(H11Protocol):

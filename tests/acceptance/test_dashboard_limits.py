@@ -4,7 +4,9 @@ Clients that open connections and never finish a request head must not keep othe
 pages: with a file-descriptor limit of 256 (set in the child before it starts), hundreds of
 such connections are held while ``GET /`` keeps answering, and an unfinished head is closed
 once ``--head-timeout`` has passed. A port in use or a host that does not resolve ends the
-command with one ``pgtask: error:`` line and exit 1, without uvicorn's log.
+command with one ``pgtask: error:`` line and exit 1, without uvicorn's log. Every address the
+host resolves to is listened on (``--host ""``: IPv4 and IPv6), and one of them in use is the
+same error.
 
 Every wait polls with a deadline; the process is stopped at teardown whatever the test did.
 """
@@ -18,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Final
 
+import httpx2
 import pytest
 
 from tests.acceptance.conftest import DashboardProcess, free_port
@@ -160,3 +163,41 @@ def test_a_head_timeout_that_is_not_a_positive_number_is_a_usage_error(
                      "--head-timeout", value, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert "--head-timeout" in lines(result.stderr)[-1], result.stderr
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+needs_ipv6 = pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+
+
+@needs_ipv6
+def test_every_address_the_host_resolves_to_is_listened_on(
+    db: Database, dashboards: Callable[..., DashboardProcess]
+) -> None:
+    # "" resolves to 0.0.0.0 and ::; only the first of them was listened on.
+    dashboard = dashboards(db.url, "--host", "")
+    port = int(dashboard.url.rsplit(":", 1)[1])
+    for url in (f"http://127.0.0.1:{port}/login", f"http://[::1]:{port}/login"):
+        assert httpx2.get(url, timeout=5.0).status_code == 200, (url, dashboard.describe())
+    assert f"pgtask dashboard on http://0.0.0.0:{port}/" in dashboard.log(), dashboard.describe()
+
+
+@needs_ipv6
+def test_one_address_of_the_host_in_use_is_one_error_line_and_exit_1(
+    db: Database, tmp_path: Path
+) -> None:
+    with socket.socket(socket.AF_INET6) as taken:
+        taken.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        taken.bind(("::", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli("dashboard", "--database-url", db.url, "--host", "", "--port",
+                         str(port), cwd=tmp_path)
+    _assert_one_error_line(result, f"cannot serve the dashboard on :{port}")
