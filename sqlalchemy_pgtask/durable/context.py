@@ -208,7 +208,9 @@ class TaskContext(BaseTaskContext):
 
         ``name`` is a task name or a registered `TaskDefinition`. ``options`` are
         `enqueue`'s: ``queue`` (default: the definition's, else this task's queue),
-        ``version``, ``run_at``, ``delay``, ``priority``, ``max_attempts``, ``headers``.
+        ``version``, ``run_at``, ``delay``, ``priority``, ``max_attempts``, ``headers``,
+        ``concurrency_key``, ``concurrency_limit``. A child under the key its parent holds
+        (with a limit of 1) never starts while the parent waits for it: give it another key.
         When this task ends, by any path, its unfinished descendants are cancelled.
 
         :raises QueueFull: the child's queue is at capacity; nothing was written.

@@ -25,6 +25,7 @@ from sqlalchemy_pgtask.validation import (
     INT2_MIN,
     INT4_MAX,
     PAYLOAD_MAX_BYTES,
+    check_concurrency,
     check_int_range,
     check_queue_name,
     check_run_at,
@@ -40,6 +41,7 @@ __all__ = ["DEFINITION_FIELDS", "ScheduleSpec", "schedule_spec"]
 DEFINITION_FIELDS: Final = (
     "cron", "interval_seconds", "timezone", "misfire", "catch_up_limit", "overlap", "queue",
     "task_name", "version", "payload", "headers", "priority", "max_attempts", "timeout_seconds",
+    "concurrency_key", "concurrency_limit",
 )
 
 
@@ -62,6 +64,8 @@ class ScheduleSpec:
     priority: int
     max_attempts: int | None
     timeout_seconds: float | None
+    concurrency_key: str | None = None
+    concurrency_limit: int | None = None
     start_at: datetime | None = None
 
     @property
@@ -100,6 +104,8 @@ def schedule_spec(
     catch_up_limit: object = None,
     overlap: object = "allow",
     start_at: object = None,
+    concurrency_key: object = None,
+    concurrency_limit: object = None,
 ) -> ScheduleSpec:
     """Check every option; raises a `ValidationError` naming the first bad one."""
     checked_name = check_task_name(name, "name")
@@ -130,6 +136,7 @@ def schedule_spec(
         timeout_seconds = check_time_limit("timeout", timeout)
     else:
         timeout_seconds = None
+    key, key_limit = check_concurrency(concurrency_key, concurrency_limit)
     return ScheduleSpec(
         name=checked_name,
         task_name=check_task_name(task_name, "task"),
@@ -149,5 +156,7 @@ def schedule_spec(
             else check_int_range("max_attempts", max_attempts, 1, INT4_MAX)
         ),
         timeout_seconds=timeout_seconds,
+        concurrency_key=key,
+        concurrency_limit=key_limit,
         start_at=None if start_at is None else check_run_at("start_at", start_at),
     )

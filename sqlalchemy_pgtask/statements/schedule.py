@@ -84,12 +84,13 @@ def _materialize() -> Update:
             [
                 "id", "queue", "name", "version", "payload", "headers", "priority",
                 "max_attempts", "run_at", "timeout_seconds", "schedule_name", "scheduled_for",
+                "concurrency_key", "concurrency_limit",
             ],
             select(
                 occurrence.c.id, s.c.queue, s.c.task_name, s.c.version, s.c.payload,
                 s.c.headers, s.c.priority, s.c.max_attempts,
                 func.greatest(occurrence.c.scheduled_for, NOW), s.c.timeout_seconds,
-                s.c.name, occurrence.c.scheduled_for,
+                s.c.name, occurrence.c.scheduled_for, s.c.concurrency_key, s.c.concurrency_limit,
             )
             .select_from(occurrence.join(s, s.c.name == bindparam("schedule", type_=Text)))
             .order_by(occurrence.c.scheduled_for),

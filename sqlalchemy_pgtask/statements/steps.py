@@ -195,7 +195,7 @@ def _spawn() -> Select[Any]:
         pg_insert(tasks)
         .from_select(
             ["id", "queue", "name", "version", "payload", "headers", "priority",
-             "max_attempts", "run_at", "parent_id"],
+             "max_attempts", "run_at", "parent_id", "concurrency_key", "concurrency_limit"],
             select(
                 bind("child_id", UUID_T),
                 bind("child_queue", Text),
@@ -209,6 +209,8 @@ def _spawn() -> Select[Any]:
                     bind("child_run_at", TSTZ), NOW + seconds(bind("child_delay", Double))
                 ),
                 fence.c.id,
+                bind("child_concurrency_key", Text),
+                bind("child_concurrency_limit", Integer),
             ).where(~has_rows(earlier)),
         )
         # A try whose first one still ran on a connection the client gave up on: that one
@@ -253,6 +255,6 @@ def _spawn() -> Select[Any]:
 #: parent as having children. Returns ``(held, child_id, created)``; ``child_id`` is NULL when
 #: an earlier try of this call committed after this statement's snapshot (read the checkpoint).
 #: Binds `DurableParams` plus the child's ``id``, ``queue``, ``name``, ``version``,
-#: ``payload``, ``headers``, ``priority``, ``max_attempts``, ``run_at``, ``delay``, each
-#: prefixed ``child_``.
+#: ``payload``, ``headers``, ``priority``, ``max_attempts``, ``run_at``, ``delay``,
+#: ``concurrency_key``, ``concurrency_limit``, each prefixed ``child_``.
 SPAWN: Final = _spawn()

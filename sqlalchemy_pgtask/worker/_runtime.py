@@ -129,7 +129,10 @@ class Worker:
         self._connections = {"claim": held(), "write": held(None), "control": held(),
                              "maintenance": held(None)}
         capabilities = [
-            Capability(d.queue, d.name, d.version, d.retry, d.max_attempts, d.timeout)
+            Capability(
+                d.queue, d.name, d.version, d.retry, d.max_attempts, d.timeout,
+                d.concurrency_limit, d.concurrency_scope,
+            )
             for d in served
         ]
         self._wake = asyncio.Event()
