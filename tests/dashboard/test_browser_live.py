@@ -1,5 +1,6 @@
 """The dashboard's issue-27 features in a real headless Chromium (Debian's): live refresh
-changes a count on the open page without a reload and stops when toggled off.
+changes a count on the open page without a reload and stops when toggled off; the search by
+payload finds its task.
 """
 
 from __future__ import annotations
@@ -64,3 +65,19 @@ def test_the_task_list_refreshes_a_task_state_in_place(
 
     expect(row).to_have_text("cancelled")
     assert page.evaluate("() => window.__loaded_once") is True
+
+
+def test_search_by_payload_finds_the_task(page: Page, fast: str, seeded: Seeded) -> None:
+    page.goto(fast + "/tasks")
+    page.get_by_label("Payload contains").fill('{"order": 1017, "parcel": 2}')
+    page.get_by_role("button", name="Filter").click()
+
+    expect(page.locator("tr[data-task-id]")).to_have_count(1)
+    assert page.locator("tr[data-task-id]").get_attribute("data-task-id") == str(
+        seeded.children[1]
+    )
+    expect(page.get_by_label("Payload contains")).to_have_value('{"order": 1017, "parcel": 2}')
+
+    page.get_by_label("Payload contains").fill("[1017]")
+    page.get_by_role("button", name="Filter").click()
+    expect(page.locator("main")).to_contain_text("must be a JSON object")
