@@ -195,7 +195,8 @@ def _spawn() -> Select[Any]:
         pg_insert(tasks)
         .from_select(
             ["id", "queue", "name", "version", "payload", "headers", "priority",
-             "max_attempts", "run_at", "parent_id", "concurrency_key", "concurrency_limit"],
+             "max_attempts", "run_at", "timeout_seconds", "parent_id", "concurrency_key",
+             "concurrency_limit"],
             select(
                 bind("child_id", UUID_T),
                 bind("child_queue", Text),
@@ -208,6 +209,7 @@ def _spawn() -> Select[Any]:
                 func.coalesce(
                     bind("child_run_at", TSTZ), NOW + seconds(bind("child_delay", Double))
                 ),
+                bind("child_timeout", Double),
                 fence.c.id,
                 bind("child_concurrency_key", Text),
                 bind("child_concurrency_limit", Integer),
@@ -256,5 +258,6 @@ def _spawn() -> Select[Any]:
 #: an earlier try of this call committed after this statement's snapshot (read the checkpoint).
 #: Binds `DurableParams` plus the child's ``id``, ``queue``, ``name``, ``version``,
 #: ``payload``, ``headers``, ``priority``, ``max_attempts``, ``run_at``, ``delay``,
-#: ``concurrency_key``, ``concurrency_limit``, each prefixed ``child_``.
+#: ``timeout`` (seconds or NULL: the handler's applies), ``concurrency_key``,
+#: ``concurrency_limit``, each prefixed ``child_``.
 SPAWN: Final = _spawn()

@@ -27,6 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask._asyncio import bounded, first
+from sqlalchemy_pgtask._failures import brief
 from sqlalchemy_pgtask.errors import InvalidOptionError, WorkerCrashed
 from sqlalchemy_pgtask.registry import Registry
 from sqlalchemy_pgtask.statements import Capability
@@ -128,13 +129,9 @@ class Worker:
 
         self._connections = {"claim": held(), "write": held(None), "control": held(),
                              "maintenance": held(None)}
-        capabilities = [
-            Capability(
-                d.queue, d.name, d.version, d.retry, d.max_attempts, d.timeout,
-                d.concurrency_limit, d.concurrency_scope,
-            )
-            for d in served
-        ]
+        capabilities = [Capability(
+            d.queue, d.name, d.version, d.retry, d.max_attempts, d.timeout, d.concurrency_limit,
+            d.concurrency_scope) for d in served]
         self._wake = asyncio.Event()
         self._book = AttemptBook(
             options.concurrency, self._wake, backlog=options.concurrency + options.prefetch
@@ -283,7 +280,8 @@ class Worker:
             self._stopped.set()
         if self._crashed is not None:
             name, exc = self._crashed
-            raise WorkerCrashed(f"the worker's {name} loop failed: {exc!r}") from exc
+            message = f"the worker's {name} loop failed: {brief(exc)}"
+            raise WorkerCrashed(message, loop=name) from exc
 
     def _spawn(self, name: str, coroutine: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coroutine, name=f"pgtask-{name}")
@@ -301,8 +299,9 @@ class Worker:
                 if exc is None and name == "producer" and self._stopping.is_set():
                     return  # the claim loop ends by design once stopping
                 failure = exc or RuntimeError(f"{name} loop returned")
-            logger.error("worker %s: %s loop failed: %r; stopping", self.id, name, failure,
-                         exc_info=failure)
+            # One line: the statement and its traceback are for --log-level debug only.
+            logger.error("worker %s: %s loop failed: %s; stopping", self.id, name, brief(failure))
+            logger.debug("the %s loop's failure", name, exc_info=failure)
             self._crashed = (name, failure)
             self._immediate.set()
             self._crash.set()

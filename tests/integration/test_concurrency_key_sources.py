@@ -20,6 +20,7 @@ from sqlalchemy_pgtask import (
     Registry,
     Task,
     TaskContext,
+    TaskDefinition,
     WorkerOptions,
     enqueue,
     enqueue_many_async,
@@ -87,7 +88,7 @@ async def test_a_definitions_enqueue_carries_the_key_and_limit(
     pgtask_async_engine: AsyncEngine,
 ) -> None:
     registry = Registry()
-    definition = registry.task("export")(lambda ctx, payload: None)
+    definition: TaskDefinition[Any, Any] = registry.task("export")(lambda ctx, payload: None)
     async with pgtask_async_engine.begin() as conn:
         task_id = (await definition.enqueue_async(
             conn, None, concurrency_key="tenant-1", concurrency_limit=4
@@ -133,7 +134,7 @@ def test_a_schedules_bad_key_or_limit_is_refused_before_any_sql(pgtask_engine: E
         with pytest.raises(InvalidOptionError, match="concurrency_limit"):
             set_schedule(session, "s", task="job", cron="* * * * *", concurrency_limit=2)
         registry = Registry()
-        definition = registry.task("job")(lambda ctx, payload: None)
+        definition: TaskDefinition[Any, Any] = registry.task("job")(lambda ctx, payload: None)
         with pytest.raises(InvalidOptionError, match="concurrency_limit"):
             registry.schedule("s", cron="* * * * *", concurrency_key="k",
                               concurrency_limit=0)(definition)

@@ -1,7 +1,7 @@
 """pgtask 0016: concurrency keys, at most N tasks of one (queue, name, key) hold it at once.
 
 Revision ID: pgtask_0016
-Revises: pgtask_0014
+Revises: pgtask_0015
 Create Date: 2026-12-08
 
 There is no counter to keep right: a task holds its key exactly while ``concurrency_key IS NOT
@@ -47,7 +47,7 @@ from __future__ import annotations
 from alembic import op
 
 revision = "pgtask_0016"
-down_revision = "pgtask_0014"
+down_revision = "pgtask_0015"
 branch_labels = None
 depends_on = None
 
