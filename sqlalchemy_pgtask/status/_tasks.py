@@ -8,14 +8,19 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
 
-from sqlalchemy import Connection, select, tuple_
+from sqlalchemy import Connection, literal_column, select, tuple_
 
 from sqlalchemy_pgtask._connection import parse_task_id
 from sqlalchemy_pgtask.errors import InvalidOptionError, TaskNotFound
 from sqlalchemy_pgtask.models import Attempt, Task
 from sqlalchemy_pgtask.states import TASK_STATES, AttemptState, TaskState
 from sqlalchemy_pgtask.status._durable import StepInfo, TaskRef, WaitInfo, durable_view
-from sqlalchemy_pgtask.validation import check_int_range, check_queue_name, check_task_name
+from sqlalchemy_pgtask.validation import (
+    check_concurrency_key,
+    check_int_range,
+    check_queue_name,
+    check_task_name,
+)
 
 __all__ = [
     "LIST_LIMIT_MAX",
@@ -94,10 +99,19 @@ class TaskDetail(TaskSummary):
     children: tuple[TaskRef, ...] = ()
     #: The task that spawned it (``parent_id``), if that task still exists.
     parent: TaskRef | None = None
+    #: Its concurrency key and own limit (None: its handler's, or 1), docs/concurrency.md.
+    concurrency_key: str | None = None
+    concurrency_limit: int | None = None
+    #: The tasks holding its key now (running, or suspended with it held), at most 20.
+    concurrency_holders: tuple[uuid.UUID, ...] = ()
 
 
 #: `TaskDetail` fields that are not columns of the task's row.
-_RELATED: Final = frozenset({"attempts", "steps", "wait", "children", "parent"})
+_RELATED: Final = frozenset(
+    {"attempts", "steps", "wait", "children", "parent", "concurrency_holders"}
+)
+#: Holders `task_detail` lists at most.
+_HOLDERS_SHOWN: Final = 20
 
 _SUMMARY_COLUMNS: Final = (
     Task.id, Task.queue, Task.name, Task.version, Task.state, Task.priority, Task.attempt,
@@ -123,6 +137,7 @@ def check_list_filters(
     queue: str | None = None,
     name: str | None = None,
     limit: int = 50,
+    key: str | None = None,
 ) -> None:
     """Raise a `ValidationError` if `list_tasks` would refuse these filters (no I/O)."""
     if state is not None and state not in TASK_STATES:
@@ -133,6 +148,8 @@ def check_list_filters(
         check_queue_name(queue)
     if name is not None:
         check_task_name(name)
+    if key is not None:
+        check_concurrency_key(key, "key")
     check_int_range("limit", limit, 1, LIST_LIMIT_MAX)
 
 
@@ -144,17 +161,18 @@ def list_tasks(
     name: str | None = None,
     limit: int = 50,
     before: uuid.UUID | str | None = None,
+    key: str | None = None,
 ) -> list[TaskSummary]:
     """The newest tasks first (by ``created_at``, then ``id``), at most ``limit``.
 
-    The filters combine with AND. ``before`` is a keyset cursor: pass the last id of a page
-    to get the next (older) one; it raises `TaskNotFound` if that task no longer exists. The
-    order is a plain ``ORDER BY created_at DESC, id DESC LIMIT n``, which an index on
-    ``(created_at, id)`` would serve without sorting; today the tasks matching the filters
-    are sorted (a top-n sort, memory bounded by ``limit``). Invalid filters raise a
-    `ValidationError` before any SQL runs.
+    The filters combine with AND (``key``: a concurrency key). ``before`` is a keyset cursor:
+    pass the last id of a page to get the next (older) one; it raises `TaskNotFound` if that
+    task no longer exists. The order is a plain ``ORDER BY created_at DESC, id DESC LIMIT
+    n``, which an index on ``(created_at, id)`` would serve without sorting; today the tasks
+    matching the filters are sorted (a top-n sort, memory bounded by ``limit``). Invalid
+    filters raise a `ValidationError` before any SQL runs.
     """
-    check_list_filters(state=state, queue=queue, name=name, limit=limit)
+    check_list_filters(state=state, queue=queue, name=name, limit=limit, key=key)
     cursor = None if before is None else parse_task_id(before)
     statement = select(*_SUMMARY_COLUMNS)
     if state is not None:
@@ -163,6 +181,8 @@ def list_tasks(
         statement = statement.where(Task.queue == queue)
     if name is not None:
         statement = statement.where(Task.name == name)
+    if key is not None:
+        statement = statement.where(Task.concurrency_key == key)
     if cursor is not None:
         last = connection.execute(
             select(Task.created_at, Task.id).where(Task.id == cursor)
@@ -214,6 +234,22 @@ def task_detail(connection: Connection, task_id: uuid.UUID | str) -> TaskDetail 
         wait=durable.wait,
         children=durable.children,
         parent=durable.parent,
+        concurrency_holders=_holders(connection, row),
     )
+
+
+def _holders(connection: Connection, row: Any) -> tuple[uuid.UUID, ...]:
+    if row["concurrency_key"] is None:
+        return ()
+    holding = (Task.state == literal_column("'running'")) | Task.concurrency_held
+    return tuple(connection.execute(
+        select(Task.id)
+        .where(
+            Task.queue == row["queue"], Task.name == row["name"],
+            Task.concurrency_key == row["concurrency_key"], holding,
+        )
+        .order_by(Task.id)
+        .limit(_HOLDERS_SHOWN)
+    ).scalars())
 
 

@@ -27,6 +27,7 @@ from sqlalchemy_pgtask import (
     enqueue_many,
 )
 from sqlalchemy_pgtask import statements as st
+from sqlalchemy_pgtask.worker._metrics import QUEUE_BACKLOG
 from tests.support.durable import (
     claim,
     claim_one,
@@ -220,6 +221,20 @@ def test_a_stale_holders_fenced_write_cannot_release_a_key_a_newer_attempt_holds
     auto.execute(st.RELEASE, st.release_params([stale]))
     assert holders(auto) == {first}
     assert claimed_ids(auto) == []
+
+
+def test_the_sampled_backlog_counts_the_tasks_waiting_for_their_key(auto: Connection) -> None:
+    for _ in range(3):
+        add(auto)
+    add(auto, None)
+
+    def waiting() -> int:
+        row = auto.execute(QUEUE_BACKLOG, {"queues": ["default"]}).one()
+        return int(row.key_waiting)
+
+    assert waiting() == 2  # the first of the key may take it
+    claim_one(auto)
+    assert waiting() == 2  # it holds the key: the other two wait
 
 
 # -- the grant under the key's lock ----------------------------------------------------------
