@@ -25,6 +25,7 @@ from sqlalchemy_pgtask.dashboard._queries import (
 )
 from sqlalchemy_pgtask.dashboard._task_list import TaskFilters, task_page
 from sqlalchemy_pgtask.errors import InvalidOptionError
+from sqlalchemy_pgtask.explain import explain
 from sqlalchemy_pgtask.queues import list_queues
 from sqlalchemy_pgtask.states import TASK_STATES
 
@@ -151,6 +152,7 @@ async def task(dashboard: Dashboard, request: Request) -> Response:
             "task": detail,
             "tree": task_tree(connection, detail),
             "entries": list_audit(connection, task_id=task_id, limit=50),
+            "explanation": explain(connection, task_id),
         }
 
     context = await dashboard.read(read)
