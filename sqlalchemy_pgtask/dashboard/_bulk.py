@@ -139,15 +139,15 @@ def _apply(
     ).scalars())
     if len(ids) > BULK_MAX:
         return None
-    counts = {"changed": 0, "requested": 0}
+    counts = {"changed": 0, "requested": 0, "finished": 0}
     for task_id in ids:
         if action == "retry":
             retry_task(connection, task_id, actor=actor, reason=reason)
             counts["changed"] += 1
-        elif cancel_task(connection, task_id, actor=actor, reason=reason) == "running":
-            counts["requested"] += 1
-        else:
-            counts["changed"] += 1
+            continue
+        # A child of a task cancelled earlier in the loop was cancelled with it (None).
+        state = cancel_task(connection, task_id, actor=actor, reason=reason)
+        counts[{"cancelled": "changed", "running": "requested"}.get(state or "", "finished")] += 1
     return counts
 
 

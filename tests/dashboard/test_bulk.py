@@ -219,3 +219,21 @@ def test_a_full_queue_rolls_the_whole_bulk_retry_back(
     assert done.status_code == 409
     assert snapshot(pgtask_engine) == before
     assert {state_of(pgtask_engine, t) for t in failed} == {"failed"}
+
+
+def test_children_cancelled_with_their_parent_are_counted_as_such(
+    client_for: Callable[..., TestClient], pgtask_engine: Engine, seeded: Seeded
+) -> None:
+    client = _admin(client_for)
+    first = _post(client, "cancel", queue="default")
+    assert "3 tasks will be cancelled" in first.text  # the parent and its two children
+
+    done = _confirm(client, "cancel", first, queue="default")
+
+    assert done.status_code == 200
+    text = " ".join(done.text.split())
+    assert "1 task cancelled; 2 had already been cancelled with their parents" in text
+    assert {state_of(pgtask_engine, t) for t in (seeded.parent, *seeded.children)} == {
+        "cancelled"
+    }
+    assert [e.task_id for e in _entries(pgtask_engine, "task.cancel")] == [seeded.parent]
