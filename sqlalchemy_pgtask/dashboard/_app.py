@@ -24,6 +24,7 @@ from starlette.staticfiles import StaticFiles
 from sqlalchemy_pgtask.dashboard import _actions, _bulk, _pages, _schedules
 from sqlalchemy_pgtask.dashboard._asgi import DashboardApp
 from sqlalchemy_pgtask.dashboard._base import Dashboard, NotFound
+from sqlalchemy_pgtask.dashboard._live import LIVE_INTERVAL, check_live_interval
 from sqlalchemy_pgtask.dashboard._queries import PAGE_SIZE_MAX
 from sqlalchemy_pgtask.dashboard._security import (
     SESSION_MAX_AGE,
@@ -117,6 +118,7 @@ def create_app(
     title: str = "pgtask",
     session_max_age: float | timedelta = SESSION_MAX_AGE,
     require_login: bool = False,
+    live_interval: float = LIVE_INTERVAL,
 ) -> Starlette:
     """The dashboard as a Starlette (ASGI) application: serve it, or mount it in your own.
 
@@ -139,9 +141,12 @@ def create_app(
         request that is not an admin's (token, session or hook): pages redirect to the login,
         other methods get 401. Without it anyone who can reach the dashboard reads every
         task's payload, headers, result and traceback.
-    :raises ValueError: a bad page size, scan limit or session age, a token shorter than 8
-        characters, a URL that is not PostgreSQL's, or ``require_login`` with neither a
-        token nor a hook (nobody could ever log in).
+    :param live_interval: seconds between live refreshes of the overview, the task list and
+        a task's page (1 to 3600, default 5; 0 turns live refresh off): the page's script
+        fetches its region again while the tab is visible (docs/dashboard.md, "Live refresh").
+    :raises ValueError: a bad page size, scan limit, session age or live interval, a token
+        shorter than 8 characters, a URL that is not PostgreSQL's, or ``require_login`` with
+        neither a token nor a hook (nobody could ever log in).
 
     Every action is a POST with a CSRF token; see docs/dashboard.md.
     """
@@ -154,10 +159,11 @@ def create_app(
     if require_login and admin_token is None and actor_from_request is None:
         raise ValueError("require_login needs an admin_token or actor_from_request")
     max_age = _session_seconds(session_max_age)
+    interval = check_live_interval(live_interval)
     engine, owned = _engine(engine_or_url)
     dashboard = Dashboard(
         engine, Guard(admin_token, actor_from_request, max_age), page_size=page_size,
-        scan_limit=scan_limit, title=title,
+        scan_limit=scan_limit, title=title, live_interval=interval,
     )
 
     def route(path: str, endpoint: Callable[[Dashboard, Request], Any], name: str,

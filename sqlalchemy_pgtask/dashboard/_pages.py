@@ -16,6 +16,7 @@ from starlette.responses import Response
 from sqlalchemy_pgtask import status
 from sqlalchemy_pgtask.audit import list_audit
 from sqlalchemy_pgtask.dashboard._base import Dashboard, NotFound
+from sqlalchemy_pgtask.dashboard._payload import parse_payload_filter
 from sqlalchemy_pgtask.dashboard._queries import (
     PAGE_SIZE_MAX,
     capabilities,
@@ -110,6 +111,7 @@ async def tasks(dashboard: Dashboard, request: Request) -> Response:
         since=_instant(request, "since"),
         until=_instant(request, "until"),
         search=_param(request, "q"),
+        payload=parse_payload_filter(_param(request, "payload")),
     )
     limit = _limit(request, dashboard.page_size)
     after = _param(request, "after")
@@ -131,7 +133,7 @@ async def tasks(dashboard: Dashboard, request: Request) -> Response:
             "page": page,
             "filters": filters,
             "form": {k: request.query_params.get(k, "") for k in (
-                "state", "queue", "name", "since", "until", "q", "limit"
+                "state", "queue", "name", "since", "until", "q", "payload", "limit"
             )},
             "states": TASK_STATES,
             "next_url": next_url,
