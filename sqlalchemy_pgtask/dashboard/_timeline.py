@@ -29,7 +29,7 @@ TIMELINE_LIMIT: Final = 100
 
 #: The drawing's coordinates (SVG user units): lane labels left of ``_LEFT``.
 _LEFT: Final = 110.0
-_RIGHT: Final = 990.0
+_RIGHT: Final = 960.0
 _LANE: Final = 28.0
 _TOP: Final = 8.0
 #: The narrowest bar drawn, so an attempt of a millisecond still shows.
@@ -161,15 +161,15 @@ class _Reader:
             nap = within[-1]
             wake = _wake(nap)
             until = f" until {_stamp(wake)}" if wake else ""
-            return self._ending(attempt, f"suspended: sleep at step {nap.step} #{nap.occurrence}"
+            return self._ending(attempt, f"for a sleep at step {nap.step} #{nap.occurrence}"
                                 f"{until}", waited="sleep")
         wait = self.task.wait
         if following is None and wait is not None and wait.kind != "sleep":
             if wait.signal_name is not None:
-                return self._ending(attempt, f"suspended: waits for signal {wait.signal_name} at "
+                return self._ending(attempt, f"waiting for signal {wait.signal_name} at "
                                     f"step {wait.step} #{wait.occurrence}", waited="signal")
             return self._ending(
-                attempt, f"suspended: waits for child {wait.child_id} at step {wait.step} "
+                attempt, f"waiting for child {wait.child_id} at step {wait.step} "
                 f"#{wait.occurrence}", wait.child_id, "child",
             )
         limit = following.started_at if following is not None else None
@@ -181,23 +181,23 @@ class _Reader:
             if step.kind == "result":
                 child = self.ended.get(step.created_at)
                 if child is None:
-                    return self._ending(attempt, f"suspended: waited for a child at step "
+                    return self._ending(attempt, f"waited for a child at step "
                                         f"{step.step}, resolved at {_stamp(step.created_at)}",
                                         waited="child")
                 return self._ending(
-                    attempt, f"suspended: waited for child {child.id} at step {step.step}, "
+                    attempt, f"waited for child {child.id} at step {step.step}, "
                     f"which ended {child.state} at {_stamp(step.created_at)}", child.id, "child",
                 )
-        return self._ending(attempt, "suspended (what for is older than the steps shown)")
+        return self._ending(attempt, "what for is older than the steps shown")
 
     def _signal(self, attempt: AttemptInfo, step: StepInfo) -> Ending:
         at = _stamp(step.created_at)
         if isinstance(step.value, dict) and step.value.get("timeout"):
-            return self._ending(attempt, f"suspended: waited for a signal at step {step.step}, "
+            return self._ending(attempt, f"waited for a signal at step {step.step}, "
                                 f"timed out at {at}", waited="signal")
         name = self.signals.get(step.created_at)
         what = f"signal {name}" if name else "a signal"
-        return self._ending(attempt, f"suspended: waited for {what} at step {step.step}, "
+        return self._ending(attempt, f"waited for {what} at step {step.step}, "
                             f"received at {at}", waited="signal")
 
     @staticmethod
@@ -213,19 +213,17 @@ class _Reader:
             return self.suspended(attempt, following)
         if state == "running":
             lease = self.task.lease_expires_at
-            text = f"running, lease until {_stamp(lease)}" if lease else "running"
+            text = f"lease until {_stamp(lease)}" if lease else "no lease"
         elif state == "failed":
-            text = f"failed: {_error_text(attempt.error)}"
+            text = f"with {_error_text(attempt.error)}"
         elif state == "lost":
             text = "lease expired: its worker stopped renewing it; another attempt may run"
             if attempt.error and attempt.error.get("type") != "lease_expired":
                 text = f"lease lost: {_error_text(attempt.error)}"
         elif state == "released":
             text = "handed back to the queue (its worker stopped or released it)"
-        elif state == "cancelled":
-            text = "cancelled"
         else:
-            text = str(state)
+            text = ""
         return self._ending(attempt, text)
 
 
@@ -246,9 +244,13 @@ class _Axis:
 
     def ticks(self, count: int = 5) -> tuple[tuple[float, str], ...]:
         shape = "%H:%M:%S" if self.span < 86_400 else "%m-%d %H:%M"
+        # Under a minute, seconds alone repeat from tick to tick: show milliseconds too.
+        cut = -3 if self.span < 60 else None
+        if cut is not None:
+            shape += ".%f"
         step = timedelta(seconds=self.span / count)
         return tuple(
-            (self.x(self.start + step * n), (self.start + step * n).strftime(shape))
+            (self.x(self.start + step * n), (self.start + step * n).strftime(shape)[:cut])
             for n in range(count + 1)
         )
 
@@ -286,7 +288,7 @@ def timeline(connection: Connection, task: TaskDetail, now: datetime) -> Timelin
         endings.append(ending)
         marks.append(axis.bar(0, attempt.started_at, attempt.finished_at or end,
                               f"tl-attempt tl-{attempt.state}",
-                              f"attempt {attempt.attempt}: {ending.text}"))
+                              f"attempt {attempt.attempt} {attempt.state}: {ending.text}"))
         if ending.waited in ("signal", "child") and attempt.finished_at is not None:
             resumed = following.started_at if following is not None else end
             marks.append(axis.bar(2, attempt.finished_at, resumed,

@@ -58,11 +58,11 @@ def test_the_timeline_draws_every_part_of_a_workflow_and_says_why_each_attempt_e
     assert [(attempt, state) for attempt, state, _ in said] == [
         ("1", "failed"), ("2", "suspended"), ("3", "suspended"), ("4", "suspended"),
     ]
-    assert said[0][2] == f"Attempt 1 failed failed: tests.dashboard.workflow.SeatTaken: {BOOM}"
-    assert "suspended: sleep at step cool-off #0 until" in said[1][2]
-    assert f"suspended: waited for child {workflow.child} at step await-hotel" in said[2][2]
+    assert said[0][2] == f"Attempt 1 failed with tests.dashboard.workflow.SeatTaken: {BOOM}"
+    assert "Attempt 2 suspended for a sleep at step cool-off #0 until" in said[1][2]
+    assert f"suspended waited for child {workflow.child} at step await-hotel" in said[2][2]
     assert "which ended succeeded" in said[2][2]
-    assert "suspended: waits for signal approval at step await-approval #0" in said[3][2]
+    assert "Attempt 4 suspended waiting for signal approval at step await-approval #0" in said[3][2]
     assert f'href="/tasks/{workflow.child}"' in section(page, "attempt-endings")
     # The drawing: one bar per attempt in its state, a mark per step of its kind, the sleep
     # and both waits as bars, and the child as a bar linking to its page.
@@ -99,7 +99,7 @@ def test_the_child_explains_its_signal_wait_by_the_signals_name(
     assert [(attempt, state) for attempt, state, _ in said] == [
         ("1", "suspended"), ("2", "succeeded"),
     ]
-    assert "suspended: waited for signal go at step await-go, received at" in said[0][2]
+    assert "Attempt 1 suspended waited for signal go at step await-go, received at" in said[0][2]
     assert len(shapes(page, "tl-kind-signal")) == 1
     assert len(shapes(page, "tl-wait-signal")) == 1
 
