@@ -30,11 +30,11 @@ def live(pgtask_engine: Engine, workflow: Workflow) -> Iterator[str]:
 
 @pytest.fixture
 def page(browser: Browser) -> Iterator[Page]:
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
-    page = context.new_page()
-    page.set_default_timeout(15_000)
-    yield page
-    context.close()
+    """A page of its own context (``new_page`` makes one, closed with it)."""
+    opened = browser.new_page(viewport={"width": 1280, "height": 900})
+    opened.set_default_timeout(15_000)
+    yield opened
+    opened.close()
 
 
 def fill_of(page: Page, selector: str) -> str:
