@@ -5,7 +5,7 @@ placed on a shared axis, and each attempt gets a sentence saying why it ended. T
 is computed here, so the template only writes numbers into SVG attributes: no script and no
 inline style, as the dashboard's Content-Security-Policy requires. Everything shown comes from
 a bounded `status.task_detail` (the newest `TIMELINE_LIMIT` attempts, steps and children) plus
-two statements of at most `TIMELINE_LIMIT` rows, so a workflow of 100,000 steps costs a page
+three statements of at most `TIMELINE_LIMIT` rows, so a workflow of 100,000 steps costs a page
 the same as a short one.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Final
 
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, func, select
 
 from sqlalchemy_pgtask.models import Signal, Task
 from sqlalchemy_pgtask.status import AttemptInfo, StepInfo, TaskDetail
@@ -111,9 +111,14 @@ def _signal_names(
     connection: Connection, task_id: uuid.UUID, steps: Sequence[StepInfo]
 ) -> dict[datetime, str]:
     """The name of the signal that resolved each signal checkpoint shown: a signal sent to a
-    waiting task is checkpointed in the sending transaction, so both share its instant."""
+    waiting task is checkpointed in the sending transaction, so both share its instant.
+
+    The observer level may not read ``pgtask.signals`` (their values are the emitters'): the
+    privilege is checked first, and without it the names stay unknown ("a signal")."""
     instants = [s.created_at for s in steps if s.kind == "signal"]
-    if not instants:
+    if not instants or not connection.scalar(
+        select(func.has_table_privilege("pgtask.signals", "SELECT"))
+    ):
         return {}
     rows = connection.execute(
         select(Signal.created_at, Signal.name)
@@ -270,7 +275,7 @@ def _steps(axis: _Axis, steps: Iterable[StepInfo]) -> list[Mark]:
 
 def timeline(connection: Connection, task: TaskDetail, now: datetime) -> Timeline:
     """The timeline of ``task`` (read with ``*_limit=TIMELINE_LIMIT``) at database time
-    ``now``; two more statements, of at most `TIMELINE_LIMIT` rows each."""
+    ``now``; three more statements at most, of at most `TIMELINE_LIMIT` rows each."""
     children = _children(connection, task.id)
     reader = _Reader(task, children, _signal_names(connection, task.id, task.steps))
     instants = [task.created_at, *(a.started_at for a in task.attempts),

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable
 
 import pytest
-from sqlalchemy import Engine, insert
+from sqlalchemy import Engine, event, insert
 from starlette.testclient import TestClient
 
 from sqlalchemy_pgtask import enqueue, status
@@ -127,7 +127,9 @@ def test_a_workflow_longer_than_the_page_shows_its_newest_steps_and_counts_the_r
 
 
 def test_task_detail_refuses_a_limit_out_of_range_before_any_sql(pgtask_engine: Engine) -> None:
+    statements: list[str] = []
     with pgtask_engine.connect() as connection:
+        event.listen(connection, "before_cursor_execute", lambda *args: statements.append(args[2]))
         for limit in (0, status.LIST_LIMIT_MAX + 1, True):
             with pytest.raises(InvalidOptionError):
                 status.task_detail(connection, uuid.uuid4(), steps_limit=limit)
@@ -135,3 +137,4 @@ def test_task_detail_refuses_a_limit_out_of_range_before_any_sql(pgtask_engine: 
                 status.task_detail(connection, uuid.uuid4(), attempts_limit=limit)
             with pytest.raises(InvalidOptionError):
                 status.task_detail(connection, uuid.uuid4(), children_limit=limit)
+    assert statements == []
