@@ -14,7 +14,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any, Final
 
 from sqlalchemy import Connection, func, select
@@ -129,7 +129,7 @@ def _signal_names(
 
 
 def _stamp(value: datetime) -> str:
-    return value.strftime("%Y-%m-%d %H:%M:%S UTC")
+    return value.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _wake(step: StepInfo) -> datetime | None:
@@ -254,8 +254,9 @@ class _Axis:
         if cut is not None:
             shape += ".%f"
         step = timedelta(seconds=self.span / count)
+        start = self.start.astimezone(timezone.utc)
         return tuple(
-            (self.x(self.start + step * n), (self.start + step * n).strftime(shape)[:cut])
+            (self.x(start + step * n), (start + step * n).strftime(shape)[:cut])
             for n in range(count + 1)
         )
 

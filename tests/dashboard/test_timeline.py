@@ -14,13 +14,13 @@ import uuid
 from collections.abc import Callable
 
 import pytest
-from sqlalchemy import Engine, event, insert
+from sqlalchemy import Engine, event, func, insert
 from starlette.testclient import TestClient
 
 from sqlalchemy_pgtask import enqueue, status
 from sqlalchemy_pgtask.dashboard._timeline import TIMELINE_LIMIT
 from sqlalchemy_pgtask.errors import InvalidOptionError
-from sqlalchemy_pgtask.models import Checkpoint
+from sqlalchemy_pgtask.models import Attempt, Checkpoint
 from tests.dashboard.test_escaping import Elements, active_markup
 from tests.dashboard.test_task_detail_durable import section, table_rows, task_page, text_of
 from tests.dashboard.workflow import BOOM, RESERVE, Workflow, run_workflow
@@ -104,7 +104,7 @@ def test_the_child_explains_its_signal_wait_by_the_signals_name(
     assert len(shapes(page, "tl-wait-signal")) == 1
 
 
-def test_a_workflow_longer_than_the_page_shows_its_newest_steps_and_counts_the_rest(
+def test_a_workflow_longer_than_the_page_shows_its_newest_parts_and_counts_the_rest(
     pgtask_engine: Engine, client_for: Callable[..., TestClient]
 ) -> None:
     steps = TIMELINE_LIMIT + 100
@@ -115,11 +115,20 @@ def test_a_workflow_longer_than_the_page_shows_its_newest_steps_and_counts_the_r
              "value": n}
             for n in range(steps)
         ])
+        connection.execute(insert(Attempt).values(finished_at=func.now()), [
+            {"task_id": task_id, "attempt": n, "lease_token": uuid.uuid4(), "state": "released"}
+            for n in range(1, TIMELINE_LIMIT + 51)
+        ])
 
     page = task_page(client_for(), task_id)
 
     assert len(shapes(page, "tl-kind-step")) == TIMELINE_LIMIT
-    assert "100 older steps are not shown" in text_of(section(page, "timeline"))
+    caption = text_of(section(page, "timeline"))
+    assert "100 older steps are not shown" in caption
+    assert "50 older attempts are not shown" in caption
+    assert len(shapes(page, "tl-attempt")) == TIMELINE_LIMIT
+    assert endings(page)[0][0] == "51"
+    assert endings(page)[0][2].startswith("Attempt 51 released handed back to the queue")
     rows = table_rows(page, "steps")
     # Inserted in one statement, all share one instant: the newest are the last by name and
     # occurrence, the tie-break of the order.
