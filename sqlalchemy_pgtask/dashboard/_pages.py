@@ -1,5 +1,6 @@
-"""dashboard._pages: the read-only pages (overview, tasks, one task, workers, schedules, audit
-log); each reads in one read-only snapshot and renders a template; never writes.
+"""dashboard._pages: the read-only pages (overview, tasks, one task, workers, audit log;
+schedules are `_schedules`'); each reads in one read-only snapshot and renders a template;
+never writes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from starlette.responses import Response
 from sqlalchemy_pgtask import status
 from sqlalchemy_pgtask.audit import list_audit
 from sqlalchemy_pgtask.dashboard._base import Dashboard, NotFound
+from sqlalchemy_pgtask.dashboard._payload import parse_payload_filter
 from sqlalchemy_pgtask.dashboard._queries import (
     PAGE_SIZE_MAX,
     capabilities,
@@ -27,10 +29,9 @@ from sqlalchemy_pgtask.dashboard._timeline import TIMELINE_LIMIT, timeline
 from sqlalchemy_pgtask.errors import InvalidOptionError
 from sqlalchemy_pgtask.explain import explain
 from sqlalchemy_pgtask.queues import list_queues
-from sqlalchemy_pgtask.schedule import list_schedules
 from sqlalchemy_pgtask.states import TASK_STATES
 
-__all__ = ["audit", "overview", "schedules", "task", "tasks", "workers"]
+__all__ = ["audit", "overview", "parse_instant", "pretty", "task", "tasks", "workers"]
 
 #: Messages an action's redirect may ask a page to show (never text from the URL itself).
 NOTICES: Final = {
@@ -51,8 +52,11 @@ def _param(request: Request, name: str) -> str | None:
 
 
 def _instant(request: Request, name: str) -> datetime | None:
+    return parse_instant(name, _param(request, name))
+
+
+def parse_instant(name: str, raw: str | None) -> datetime | None:
     """A ``datetime-local`` field (or ISO 8601 text); without an offset it is UTC."""
-    raw = _param(request, name)
     if raw is None:
         return None
     try:
@@ -108,6 +112,7 @@ async def tasks(dashboard: Dashboard, request: Request) -> Response:
         since=_instant(request, "since"),
         until=_instant(request, "until"),
         search=_param(request, "q"),
+        payload=parse_payload_filter(_param(request, "payload")),
     )
     limit = _limit(request, dashboard.page_size)
     after = _param(request, "after")
@@ -129,7 +134,7 @@ async def tasks(dashboard: Dashboard, request: Request) -> Response:
             "page": page,
             "filters": filters,
             "form": {k: request.query_params.get(k, "") for k in (
-                "state", "queue", "name", "since", "until", "q", "limit"
+                "state", "queue", "name", "since", "until", "q", "payload", "limit"
             )},
             "states": TASK_STATES,
             "next_url": next_url,
@@ -180,15 +185,6 @@ async def workers(dashboard: Dashboard, request: Request) -> Response:
         }
 
     return dashboard.render(request, "workers.html", await dashboard.read(read))
-
-
-async def schedules(dashboard: Dashboard, request: Request) -> Response:
-    def read(connection: Connection) -> dict[str, Any]:
-        return {"schedules": list_schedules(connection, upcoming=5)}
-
-    return dashboard.render(
-        request, "schedules.html", {**await dashboard.read(read), "pretty": pretty}
-    )
 
 
 async def audit(dashboard: Dashboard, request: Request) -> Response:

@@ -308,7 +308,8 @@ def test_a_task_found_by_its_markup_idempotency_key_is_listed_and_the_key_echoed
 
     listed = [row.attrs["data-task-id"] for row in page.all("tr") if "data-task-id" in row.attrs]
     assert listed == [str(marked.task)]
-    assert page.one("input", name="q").attrs["value"] == KEY  # stayed inside the attribute
+    # In the filter form and in the bulk actions' hidden fields, it stayed inside the attribute.
+    assert [i.attrs["value"] for i in page.all("input", name="q")] == [KEY] * 3
 
 
 def test_the_task_page_shows_key_headers_result_step_and_audit_as_text(
