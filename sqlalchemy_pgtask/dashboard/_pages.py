@@ -25,6 +25,7 @@ from sqlalchemy_pgtask.dashboard._queries import (
     throughput,
 )
 from sqlalchemy_pgtask.dashboard._task_list import TaskFilters, task_page
+from sqlalchemy_pgtask.dashboard._timeline import TIMELINE_LIMIT, timeline
 from sqlalchemy_pgtask.errors import InvalidOptionError
 from sqlalchemy_pgtask.explain import explain
 from sqlalchemy_pgtask.queues import list_queues
@@ -147,14 +148,19 @@ async def task(dashboard: Dashboard, request: Request) -> Response:
     task_id = status.parse_task_id(request.path_params["task_id"])
 
     def read(connection: Connection) -> dict[str, Any] | None:
-        detail = status.task_detail(connection, task_id)
+        detail = status.task_detail(
+            connection, task_id, attempts_limit=TIMELINE_LIMIT, steps_limit=TIMELINE_LIMIT,
+            children_limit=TIMELINE_LIMIT,
+        )
         if detail is None:
             return None
+        explanation = explain(connection, task_id)
         return {
             "task": detail,
             "tree": task_tree(connection, detail),
             "entries": list_audit(connection, task_id=task_id, limit=50),
-            "explanation": explain(connection, task_id),
+            "explanation": explanation,
+            "timeline": timeline(connection, detail, explanation.now),
         }
 
     context = await dashboard.read(read)

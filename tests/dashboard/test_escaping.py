@@ -90,6 +90,9 @@ VOID: Final = frozenset({
 })
 #: Elements that load or embed something: none may come from data.
 EMBEDDING: Final = frozenset({"img", "iframe", "object", "embed", "svg", "math", "base", "frame"})
+#: The classes of the dashboard's own drawings: an ``svg`` carrying one is the template's,
+#: not data (the data inside it, step names, signal names, errors, is checked as text).
+OWN_DRAWINGS: Final = frozenset({"timeline"})
 
 
 @dataclass
@@ -158,7 +161,10 @@ def active_markup(page: str) -> list[str]:
         src = element.attrs.get("src") or ""
         if element.tag == "script" and not src.startswith("/static/"):
             found.append(f"<script src={src!r}>")
-        if element.tag in EMBEDDING:
+        own = element.tag == "svg" and not OWN_DRAWINGS.isdisjoint(
+            (element.attrs.get("class") or "").split()
+        )
+        if element.tag in EMBEDDING and not own:
             found.append(f"<{element.tag}>")
         for name, value in element.attrs.items():
             if name.startswith("on"):
