@@ -24,7 +24,7 @@ from datetime import datetime
 from typing import Any, Final
 from urllib.parse import urlencode
 
-from sqlalchemy import Connection, func, select
+from sqlalchemy import Connection, func, literal_column, select
 from starlette.datastructures import FormData
 from starlette.requests import Request
 from starlette.responses import Response
@@ -89,7 +89,12 @@ def _filters(form: FormData) -> tuple[TaskFilters, dict[str, str]]:
 def _conditions(filters: TaskFilters, action: str, as_of: datetime | None) -> list[Any]:
     """What selects the tasks ``action`` changes: the filters, the states it applies to and,
     once confirmed, creation before the count."""
-    found: list[Any] = [Task.state.in_(_APPLIES[action])]
+    # Literals, not parameters: the planner can then match the partial index on unfinished
+    # tasks (a cancel) or on finished ones (a retry), so the count never reads the history
+    # of states the action cannot change. States are a fixed set of words, never user input.
+    found: list[Any] = [
+        Task.state.in_([literal_column(f"'{state}'") for state in _APPLIES[action]])
+    ]
     if action == "cancel":  # asking again for a running task changes nothing
         found.append((Task.state != RUNNING) | Task.cancel_requested_at.is_(None))
     for column, value in (
@@ -134,15 +139,15 @@ def _apply(
     ).scalars())
     if len(ids) > BULK_MAX:
         return None
-    counts = {"changed": 0, "requested": 0}
+    counts = {"changed": 0, "requested": 0, "finished": 0}
     for task_id in ids:
         if action == "retry":
             retry_task(connection, task_id, actor=actor, reason=reason)
             counts["changed"] += 1
-        elif cancel_task(connection, task_id, actor=actor, reason=reason) == "running":
-            counts["requested"] += 1
-        else:
-            counts["changed"] += 1
+            continue
+        # A child of a task cancelled earlier in the loop was cancelled with it (None).
+        state = cancel_task(connection, task_id, actor=actor, reason=reason)
+        counts[{"cancelled": "changed", "running": "requested"}.get(state or "", "finished")] += 1
     return counts
 
 

@@ -16,6 +16,7 @@ from starlette.responses import Response
 from sqlalchemy_pgtask import status
 from sqlalchemy_pgtask.audit import list_audit
 from sqlalchemy_pgtask.dashboard._base import Dashboard, NotFound
+from sqlalchemy_pgtask.dashboard._charts import WINDOWS, bars_svg, depth_svg, queue_charts
 from sqlalchemy_pgtask.dashboard._payload import parse_payload_filter
 from sqlalchemy_pgtask.dashboard._queries import (
     PAGE_SIZE_MAX,
@@ -90,9 +91,18 @@ def _notice(request: Request) -> str | None:
 
 
 async def overview(dashboard: Dashboard, request: Request) -> Response:
+    chart = _param(request, "chart") or next(iter(WINDOWS))
+    if chart not in WINDOWS:
+        raise InvalidOptionError(
+            "chart", f"must be one of {', '.join(WINDOWS)}, got {chart[:20]!r}"
+        )
+
     def read(connection: Connection) -> dict[str, Any]:
+        queues = status.queue_status(connection)
+        outstanding = {q.name: q.pending + q.running + q.waiting for q in queues}
         return {
-            "queues": status.queue_status(connection),
+            "queues": queues,
+            "charts": queue_charts(connection, WINDOWS[chart], outstanding),
             "settings": {q.name: q for q in list_queues(connection)},
             "throughput": throughput(connection),
             "unroutable": status.unroutable(connection),
@@ -100,7 +110,11 @@ async def overview(dashboard: Dashboard, request: Request) -> Response:
         }
 
     context = await dashboard.read(read)
-    return dashboard.render(request, "overview.html", {**context, "notice": _notice(request)})
+    links = {name: dashboard.here(request, chart=name) for name in WINDOWS}
+    return dashboard.render(request, "overview.html", {
+        **context, "notice": _notice(request), "chart_links": links, "windows": WINDOWS,
+        "bars_svg": bars_svg, "depth_svg": depth_svg,
+    })
 
 
 async def tasks(dashboard: Dashboard, request: Request) -> Response:

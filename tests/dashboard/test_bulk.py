@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy import Engine, func, select, update
 from starlette.testclient import TestClient
 
-from sqlalchemy_pgtask import EnqueueRequest, enqueue, enqueue_many
+from sqlalchemy_pgtask import EnqueueRequest, configure_queue, enqueue, enqueue_many
 from sqlalchemy_pgtask.audit import list_audit
 from sqlalchemy_pgtask.models import Task
 from tests.dashboard.conftest import TOKEN, snapshot
@@ -201,3 +201,39 @@ def test_the_confirmation_page_echoes_a_markup_filter_as_inert_text(
     assert answer.status_code == 200
     assert "<script>window.__xss" not in answer.text
     assert "&lt;script&gt;window.__xss=9&lt;/script&gt;" in answer.text
+
+
+def test_a_full_queue_rolls_the_whole_bulk_retry_back(
+    client_for: Callable[..., TestClient], pgtask_engine: Engine, seeded: Seeded
+) -> None:
+    failed = [*_fail_emails(pgtask_engine, 5), seeded.failed]
+    with pgtask_engine.begin() as connection:
+        # 35 pending and 1 running are outstanding: room for two retries, not six.
+        configure_queue(connection, "emails", max_outstanding_tasks=38)
+    client = _admin(client_for)
+    first = _post(client, "retry", state="failed", queue="emails")
+    before = snapshot(pgtask_engine)
+
+    done = _confirm(client, "retry", first, state="failed", queue="emails")
+
+    assert done.status_code == 409
+    assert snapshot(pgtask_engine) == before
+    assert {state_of(pgtask_engine, t) for t in failed} == {"failed"}
+
+
+def test_children_cancelled_with_their_parent_are_counted_as_such(
+    client_for: Callable[..., TestClient], pgtask_engine: Engine, seeded: Seeded
+) -> None:
+    client = _admin(client_for)
+    first = _post(client, "cancel", queue="default")
+    assert "3 tasks will be cancelled" in first.text  # the parent and its two children
+
+    done = _confirm(client, "cancel", first, queue="default")
+
+    assert done.status_code == 200
+    text = " ".join(done.text.split())
+    assert "1 task cancelled; 2 had already been cancelled with their parents" in text
+    assert {state_of(pgtask_engine, t) for t in (seeded.parent, *seeded.children)} == {
+        "cancelled"
+    }
+    assert [e.task_id for e in _entries(pgtask_engine, "task.cancel")] == [seeded.parent]
