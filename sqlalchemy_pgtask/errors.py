@@ -182,8 +182,13 @@ class WorkerCrashed(PgTaskError):
     """An internal loop of the worker failed; the worker stopped and handed its tasks back.
 
     The cause (``__cause__``) is the loop's exception: something no retry can fix, such as a
-    permission the worker's role lacks or a schema that was changed under it.
+    permission the worker's role lacks or a schema that was changed under it. ``loop`` names
+    the loop that failed (``"producer"``, ``"completer"``, ...), or is None.
     """
+
+    def __init__(self, *args: object, loop: str | None = None) -> None:
+        super().__init__(*args)
+        self.loop = loop
 
 
 class ServerNotFound(PgTaskError):

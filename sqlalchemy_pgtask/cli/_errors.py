@@ -18,7 +18,7 @@ from typing import Final
 import psycopg
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from sqlalchemy_pgtask.errors import PgTaskError, ValidationError
+from sqlalchemy_pgtask.errors import PgTaskError, ValidationError, WorkerCrashed
 
 __all__ = [
     "EXIT_FAILURE",
@@ -97,6 +97,12 @@ def describe(error: BaseException) -> tuple[int, str] | None:
         return EXIT_FAILURE, _database(error)
     if isinstance(error, SQLAlchemyError):
         return EXIT_FAILURE, f"database error: {_one_line(str(error))}"
+    if isinstance(error, WorkerCrashed) and error.loop and error.__cause__ is not None:
+        # The loop's own error, described like any other (its SQLSTATE and hint, not its
+        # statement): the line an operator acts on.
+        cause = describe(error.__cause__)
+        if cause is not None:
+            return EXIT_FAILURE, f"the worker's {error.loop} loop failed: {cause[1]}"
     if isinstance(error, PgTaskError):
         return EXIT_FAILURE, _one_line(str(error))
     if isinstance(error, OSError):

@@ -21,7 +21,7 @@ from starlette.responses import Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from sqlalchemy_pgtask.dashboard import _actions, _pages
+from sqlalchemy_pgtask.dashboard import _actions, _bulk, _pages, _schedules
 from sqlalchemy_pgtask.dashboard._asgi import DashboardApp
 from sqlalchemy_pgtask.dashboard._base import Dashboard, NotFound
 from sqlalchemy_pgtask.dashboard._live import LIVE_INTERVAL, check_live_interval
@@ -42,6 +42,7 @@ from sqlalchemy_pgtask.errors import (
     TaskNotRetryable,
     ValidationError,
 )
+from sqlalchemy_pgtask.schedule import ScheduleNotFound
 
 __all__ = ["Dashboard", "NotFound", "create_app"]
 
@@ -51,6 +52,7 @@ _HERE: Final = Path(__file__).resolve().parent
 _STATUS: Final[tuple[tuple[type[PgTaskError], int], ...]] = (
     (ValidationError, 400),
     (TaskNotFound, 404),
+    (ScheduleNotFound, 404),
     (TaskNotRetryable, 409),
     (QueueFull, 409),
     (SchemaNotInstalled, 503),
@@ -173,11 +175,14 @@ def create_app(
         route("/tasks", _pages.tasks, "tasks"),
         route("/tasks/{task_id}", _pages.task, "task"),
         route("/workers", _pages.workers, "workers"),
-        route("/schedules", _pages.schedules, "schedules"),
+        route("/schedules", _schedules.schedules, "schedules"),
         route("/audit", _pages.audit, "audit"),
         route("/login", _actions.login_form, "login"),
         route("/login", _actions.login, "login_submit", ("POST",)),
         route("/logout", _actions.logout, "logout", ("POST",)),
+        route("/tasks/bulk/{action}", _bulk.bulk, "bulk", ("POST",)),
+        route("/schedules/{schedule}/{action}", _schedules.schedule_action, "schedule_action",
+              ("POST",)),
         route("/tasks/{task_id}/retry", _actions.retry, "retry", ("POST",)),
         route("/tasks/{task_id}/cancel", _actions.cancel, "cancel", ("POST",)),
         route("/queues/{queue}/pause", _actions.pause, "pause", ("POST",)),

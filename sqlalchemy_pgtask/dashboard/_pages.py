@@ -1,5 +1,6 @@
-"""dashboard._pages: the read-only pages (overview, tasks, one task, workers, schedules, audit
-log); each reads in one read-only snapshot and renders a template; never writes.
+"""dashboard._pages: the read-only pages (overview, tasks, one task, workers, audit log;
+schedules are `_schedules`'); each reads in one read-only snapshot and renders a template;
+never writes.
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ from sqlalchemy_pgtask.dashboard._queries import (
     throughput,
 )
 from sqlalchemy_pgtask.dashboard._task_list import TaskFilters, task_page
+from sqlalchemy_pgtask.dashboard._timeline import TIMELINE_LIMIT, timeline
 from sqlalchemy_pgtask.errors import InvalidOptionError
+from sqlalchemy_pgtask.explain import explain
 from sqlalchemy_pgtask.queues import list_queues
-from sqlalchemy_pgtask.schedule import list_schedules
 from sqlalchemy_pgtask.states import TASK_STATES
 
-__all__ = ["audit", "overview", "schedules", "task", "tasks", "workers"]
+__all__ = ["audit", "overview", "parse_instant", "pretty", "task", "tasks", "workers"]
 
 #: Messages an action's redirect may ask a page to show (never text from the URL itself).
 NOTICES: Final = {
@@ -58,8 +60,11 @@ def _param(request: Request, name: str) -> str | None:
 
 
 def _instant(request: Request, name: str) -> datetime | None:
+    return parse_instant(name, _param(request, name))
+
+
+def parse_instant(name: str, raw: str | None) -> datetime | None:
     """A ``datetime-local`` field (or ISO 8601 text); without an offset it is UTC."""
-    raw = _param(request, name)
     if raw is None:
         return None
     try:
@@ -164,13 +169,19 @@ async def task(dashboard: Dashboard, request: Request) -> Response:
     task_id = status.parse_task_id(request.path_params["task_id"])
 
     def read(connection: Connection) -> dict[str, Any] | None:
-        detail = status.task_detail(connection, task_id)
+        detail = status.task_detail(
+            connection, task_id, attempts_limit=TIMELINE_LIMIT, steps_limit=TIMELINE_LIMIT,
+            children_limit=TIMELINE_LIMIT,
+        )
         if detail is None:
             return None
+        explanation = explain(connection, task_id)
         return {
             "task": detail,
             "tree": task_tree(connection, detail),
             "entries": list_audit(connection, task_id=task_id, limit=50),
+            "explanation": explanation,
+            "timeline": timeline(connection, detail, explanation.now),
         }
 
     context = await dashboard.read(read)
@@ -195,15 +206,6 @@ async def workers(dashboard: Dashboard, request: Request) -> Response:
         }
 
     return dashboard.render(request, "workers.html", await dashboard.read(read))
-
-
-async def schedules(dashboard: Dashboard, request: Request) -> Response:
-    def read(connection: Connection) -> dict[str, Any]:
-        return {"schedules": list_schedules(connection, upcoming=5)}
-
-    return dashboard.render(
-        request, "schedules.html", {**await dashboard.read(read), "pretty": pretty}
-    )
 
 
 async def audit(dashboard: Dashboard, request: Request) -> Response:

@@ -24,7 +24,9 @@ from sqlalchemy_pgtask.states import TaskState
 from sqlalchemy_pgtask.status import TaskSummary, check_list_filters
 from sqlalchemy_pgtask.validation import check_free_text
 
-__all__ = ["SCAN_LIMIT", "TaskFilters", "TaskPage", "parse_cursor", "task_page"]
+__all__ = [
+    "SCAN_LIMIT", "TaskFilters", "TaskPage", "parse_cursor", "search_match", "task_page",
+]
 
 #: The most tasks one page of a filtered task list reads before it answers with what it found
 #: (`TaskPage.searched_to`): about 20 ms of PostgreSQL on a small host, so a filter that
@@ -115,7 +117,7 @@ def _position(connection: Connection, after: str) -> tuple[datetime, uuid.UUID]:
     return created, cursor
 
 
-def _search(text: str, queue: str | None) -> Any:
+def search_match(text: str, queue: str | None) -> Any:
     """A task id matches its task (primary key); other text matches an idempotency key
     through ``pgtask.idempotency_keys``, whose primary key ``(queue, key)`` makes it one
     lookup when the queue is known (without it, the keys are scanned). A key whose
@@ -176,7 +178,7 @@ def task_page(
     if filters.search is not None or not checks:
         # Every row the range yields is a match, or the search names the few rows to read.
         if filters.search is not None:
-            checks.append(_search(filters.search, filters.queue))
+            checks.append(search_match(filters.search, filters.queue))
         rows = connection.execute(
             select(*_SUMMARY_COLUMNS).where(*bounds, *checks).order_by(*newest)
             .limit(limit + 1)

@@ -208,8 +208,13 @@ class TaskContext(BaseTaskContext):
 
         ``name`` is a task name or a registered `TaskDefinition`. ``options`` are
         `enqueue`'s: ``queue`` (default: the definition's, else this task's queue),
-        ``version``, ``run_at``, ``delay``, ``priority``, ``max_attempts``, ``headers``.
+        ``version``, ``run_at``, ``delay``, ``priority``, ``max_attempts``, ``headers``,
+        ``timeout`` (the child's time limit per attempt, instead of its handler's). The
+        options are checked on every run but are not part of the call's identity: a replay
+        returns the child first spawned, whatever options the code now passes.
         When this task ends, by any path, its unfinished descendants are cancelled.
+
+        :raises InvalidOptionError: an option is unknown or invalid; nothing was written.
 
         :raises QueueFull: the child's queue is at capacity; nothing was written.
         """

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from sqlalchemy_pgtask import statements
@@ -303,6 +304,9 @@ class MaintenanceRunner:
                 wait = backoffs[id(service)].next()
                 if is_transient(exc):
                     logger.warning("%s failed (%s); again in %.2fs", service.name, brief(exc), wait)
+                elif isinstance(exc, DBAPIError):  # refused: its reason, not the statement
+                    logger.error("%s failed (%s); again in %.2fs", service.name, brief(exc), wait)
+                    logger.debug("the %s failure", service.name, exc_info=exc)
                 else:
                     logger.exception("%s failed; again in %.2fs", service.name, wait)
             else:

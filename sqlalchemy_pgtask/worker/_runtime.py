@@ -27,6 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from sqlalchemy_pgtask import statements
 from sqlalchemy_pgtask._asyncio import bounded, first
+from sqlalchemy_pgtask._failures import brief
 from sqlalchemy_pgtask.errors import InvalidOptionError, WorkerCrashed
 from sqlalchemy_pgtask.registry import Registry
 from sqlalchemy_pgtask.statements import Capability
@@ -280,7 +281,8 @@ class Worker:
             self._stopped.set()
         if self._crashed is not None:
             name, exc = self._crashed
-            raise WorkerCrashed(f"the worker's {name} loop failed: {exc!r}") from exc
+            message = f"the worker's {name} loop failed: {brief(exc)}"
+            raise WorkerCrashed(message, loop=name) from exc
 
     def _spawn(self, name: str, coroutine: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coroutine, name=f"pgtask-{name}")
@@ -298,8 +300,9 @@ class Worker:
                 if exc is None and name == "producer" and self._stopping.is_set():
                     return  # the claim loop ends by design once stopping
                 failure = exc or RuntimeError(f"{name} loop returned")
-            logger.error("worker %s: %s loop failed: %r; stopping", self.id, name, failure,
-                         exc_info=failure)
+            # One line: the statement and its traceback are for --log-level debug only.
+            logger.error("worker %s: %s loop failed: %s; stopping", self.id, name, brief(failure))
+            logger.debug("the %s loop's failure", name, exc_info=failure)
             self._crashed = (name, failure)
             self._immediate.set()
             self._crash.set()

@@ -7,9 +7,11 @@ can fix stops the worker with a non-zero exit instead of leaving a zombie that r
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 import uuid
+from collections.abc import Iterator
 
 import pytest
 
@@ -44,9 +46,9 @@ def test_a_third_signal_is_ignored_while_the_worker_stops(workers: WorkerLaunche
     assert worker.wait_exit(30) == 0, worker.describe()
 
 
-def test_a_loop_that_fails_for_good_ends_the_process_with_exit_1(
-    db: Database, workers: WorkerLauncher
-) -> None:
+@contextlib.contextmanager
+def worker_role(db: Database) -> Iterator[tuple[str, str]]:
+    """A login role with every privilege on pgtask's tables, and its URL; dropped at the end."""
     role = f"worker_{uuid.uuid4().hex[:10]}"
     db.execute(f"CREATE ROLE {role} LOGIN")
     try:
@@ -56,6 +58,20 @@ def test_a_loop_that_fails_for_good_ends_the_process_with_exit_1(
         db.execute(f"GRANT ALL ON acceptance_runs TO {role}")
         url = db.url.replace("postgres@", f"{role}@", 1)
         assert url != db.url
+        yield role, url
+    finally:
+        db.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = :role",
+            role=role,
+        )
+        db.execute(f"DROP OWNED BY {role}")
+        db.execute(f"DROP ROLE {role}")
+
+
+def test_a_loop_that_fails_for_good_ends_the_process_with_exit_1(
+    db: Database, workers: WorkerLauncher
+) -> None:
+    with worker_role(db) as (role, url):
         [task_id] = db.enqueue("job", {"sleep": 2.0})
         worker = workers.start("--database-url", url)
         # The role loses a privilege the outcome writer needs: no retry can fix that.
@@ -72,13 +88,38 @@ def test_a_loop_that_fails_for_good_ends_the_process_with_exit_1(
             ),
             10, message="the crashed worker to be gone from the live workers",
         )
-    finally:
-        db.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = :role",
-            role=role,
-        )
-        db.execute(f"DROP OWNED BY {role}")
-        db.execute(f"DROP ROLE {role}")
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_a_producer_loop_crash_prints_one_error_line_and_a_traceback_only_at_debug(
+    db: Database, workers: WorkerLauncher, level: str
+) -> None:
+    with worker_role(db) as (role, url):
+        worker = workers.start("--database-url", url, "--log-level", level)
+        # The claim needs to update pgtask.tasks: without the privilege no retry helps.
+        db.execute(f"REVOKE UPDATE ON pgtask.tasks FROM {role}")
+        db.enqueue("job", {"sleep": 0.0})
+        assert worker.wait_exit(60) == 1, worker.describe()
+        log = worker.log()
+
+    [error] = [line for line in log.splitlines() if line.startswith("pgtask: error:")]
+    assert error == (
+        "pgtask: error: the worker's producer loop failed: database error 42501: permission"
+        " denied for table tasks (the database role lacks a privilege pgtask needs)"
+    ), log
+    assert log.rstrip().endswith(error), log
+    [failed] = [
+        line for line in log.splitlines()
+        if "producer loop failed" in line and not line.startswith("pgtask: error:")
+    ]
+    assert "InsufficientPrivilege: permission denied for table tasks; stopping" in failed, log
+    if level == "debug":
+        assert "Traceback (most recent call last)" in log, log
+    else:
+        # No traceback, no statement, no parameters: one line for the crash, one for the exit.
+        assert "Traceback" not in log, log
+        assert "SELECT" not in log, log
+        assert "[SQL:" not in log, log
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
