@@ -13,7 +13,6 @@ from sqlalchemy_pgtask.audit import list_audit
 from sqlalchemy_pgtask.models import Task
 from tests.dashboard.conftest import TOKEN
 from tests.dashboard.seed import Seeded, fail_task
-from tests.dashboard.test_browser import page  # noqa: F401  # the fixture: a fresh context
 
 
 def _log_in(tab: Page, live: str) -> None:
@@ -36,7 +35,7 @@ def _csp_violations(tab: Page) -> list[str]:
 
 
 def test_bulk_retry_of_the_filtered_list_is_clicked_through_its_confirmation(
-    page: Page, live: str, seeded: Seeded, pgtask_engine: Engine  # noqa: F811
+    page: Page, live: str, seeded: Seeded, pgtask_engine: Engine
 ) -> None:
     with pgtask_engine.begin() as connection:
         more = list(connection.execute(
@@ -75,7 +74,7 @@ def test_bulk_retry_of_the_filtered_list_is_clicked_through_its_confirmation(
 
 
 def test_a_schedule_is_paused_resumed_and_run_now_from_its_page_with_times_in_its_zone(
-    page: Page, live: str, seeded: Seeded, pgtask_engine: Engine  # noqa: F811
+    page: Page, live: str, seeded: Seeded, pgtask_engine: Engine
 ) -> None:
     violations = _csp_violations(page)
     _log_in(page, live)
