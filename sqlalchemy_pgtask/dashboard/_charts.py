@@ -29,6 +29,7 @@ from markupsafe import Markup, escape
 from sqlalchemy import Connection, text
 
 from sqlalchemy_pgtask.states import TERMINAL_STATES
+from sqlalchemy_pgtask.status._overview import queue_skip_scan
 
 __all__ = ["WINDOWS", "ChartWindow", "QueueCharts", "bars_svg", "depth_svg", "queue_charts"]
 
@@ -50,9 +51,6 @@ WINDOWS: Final = {
 }
 #: The most queues charted; more are counted in `QueueCharts.more`, busiest first.
 CHARTED_QUEUES_MAX: Final = 20
-#: The most queues the skip scan finds: it stops there, so a history of many thousands of
-#: queues costs no more than this many probes.
-_QUEUES_SCANNED_MAX: Final = 1000
 
 
 def _literals(states: tuple[str, ...]) -> str:
@@ -68,7 +66,7 @@ _TERMINAL: Final = _literals(TERMINAL_STATES)
 # Seconds as double precision (date_part), not numeric (extract): the buckets are computed
 # for every row of the window, and numeric arithmetic made them most of the statement's time.
 # (date_bin would do it, but PostgreSQL 13 has none.)
-_START_EPOCH: Final = "((floor(date_part('epoch', now()) / :secs) - :n + 1) * :secs)"
+_START_EPOCH: Final = "((floor(date_part('epoch', pgtask.now()) / :secs) - :n + 1) * :secs)"
 _START: Final = f"to_timestamp({_START_EPOCH})"
 
 
@@ -79,15 +77,7 @@ def _bucket(column: str) -> str:
 # Every interpolated piece is a constant of this module (states, limits, expressions of
 # parameters): no input reaches the text.
 _STATEMENT: Final = text(f"""
-WITH RECURSIVE queues AS (
-    (SELECT queue, 1 AS found FROM pgtask.tasks
-     WHERE state IN ({_TERMINAL}) ORDER BY queue LIMIT 1)
-    UNION ALL
-    SELECT (SELECT t.queue FROM pgtask.tasks AS t
-            WHERE t.state IN ({_TERMINAL}) AND t.queue > q.queue ORDER BY t.queue LIMIT 1),
-           q.found + 1
-    FROM queues AS q WHERE q.queue IS NOT NULL AND q.found < {_QUEUES_SCANNED_MAX}
-)
+WITH RECURSIVE queues AS ({queue_skip_scan(TERMINAL_STATES)})
 SELECT 'finished' AS kind, q.queue, f.bucket, f.succeeded, f.failed, f.cancelled,
        {_START} AS start
 FROM queues AS q CROSS JOIN LATERAL (
