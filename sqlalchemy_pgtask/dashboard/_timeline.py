@@ -279,8 +279,12 @@ def timeline(connection: Connection, task: TaskDetail, now: datetime) -> Timelin
     ``now``; three more statements at most, of at most `TIMELINE_LIMIT` rows each."""
     children = _children(connection, task.id)
     reader = _Reader(task, children, _signal_names(connection, task.id, task.steps))
-    instants = [task.created_at, *(a.started_at for a in task.attempts),
-                *(s.created_at for s in task.steps), *(c.created_at for c in children)]
+    shown = [*(a.started_at for a in task.attempts), *(s.created_at for s in task.steps),
+             *(c.created_at for c in children)]
+    # With older parts left out, the axis starts at the oldest part shown: from the task's
+    # creation, days of history would squeeze the newest 100 steps into a sliver.
+    cut = task.attempts_omitted or task.steps_omitted or task.children_omitted
+    instants = shown if cut and shown else [task.created_at, *shown]
     ends = [*(a.finished_at for a in task.attempts), *(_wake(s) for s in task.steps),
             *(c.completed_at for c in children), task.completed_at]
     last = max([*instants, *(e for e in ends if e is not None)])

@@ -12,15 +12,16 @@ import html
 import re
 import uuid
 from collections.abc import Callable
+from datetime import datetime, timedelta
 
 import pytest
-from sqlalchemy import Engine, event, func, insert
+from sqlalchemy import Engine, event, func, insert, select, update
 from starlette.testclient import TestClient
 
 from sqlalchemy_pgtask import enqueue, status
 from sqlalchemy_pgtask.dashboard._timeline import TIMELINE_LIMIT
 from sqlalchemy_pgtask.errors import InvalidOptionError
-from sqlalchemy_pgtask.models import Attempt, Checkpoint
+from sqlalchemy_pgtask.models import Attempt, Checkpoint, Task
 from tests.dashboard.test_escaping import Elements, active_markup
 from tests.dashboard.test_task_detail_durable import section, table_rows, task_page, text_of
 from tests.dashboard.workflow import BOOM, RESERVE, Workflow, run_workflow
@@ -119,6 +120,10 @@ def test_a_workflow_longer_than_the_page_shows_its_newest_parts_and_counts_the_r
             {"task_id": task_id, "attempt": n, "lease_token": uuid.uuid4(), "state": "released"}
             for n in range(1, TIMELINE_LIMIT + 51)
         ])
+        # Created long before: the axis must start at the oldest part shown, not there.
+        connection.execute(update(Task).where(Task.id == task_id).values(
+            created_at=func.now() - timedelta(days=30)
+        ))
 
     page = task_page(client_for(), task_id)
 
@@ -129,6 +134,11 @@ def test_a_workflow_longer_than_the_page_shows_its_newest_parts_and_counts_the_r
     assert len(shapes(page, "tl-attempt")) == TIMELINE_LIMIT
     assert endings(page)[0][0] == "51"
     assert endings(page)[0][2].startswith("Attempt 51 released handed back to the queue")
+    [start, *_] = re.findall(r'<time datetime="([^"]+)"', section(page, "timeline"))
+    with pgtask_engine.connect() as connection:
+        created = connection.scalar(select(Task.created_at).where(Task.id == task_id))
+    assert created is not None
+    assert datetime.fromisoformat(start) > created + timedelta(days=29)
     rows = table_rows(page, "steps")
     # Inserted in one statement, all share one instant: the newest are the last by name and
     # occurrence, the tie-break of the order.
