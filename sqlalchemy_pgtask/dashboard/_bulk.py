@@ -33,6 +33,7 @@ from sqlalchemy_pgtask.admin import retry as retry_task
 from sqlalchemy_pgtask.client import cancel as cancel_task
 from sqlalchemy_pgtask.dashboard._base import Dashboard, NotFound
 from sqlalchemy_pgtask.dashboard._pages import parse_instant
+from sqlalchemy_pgtask.dashboard._payload import contains, parse_payload_filter
 from sqlalchemy_pgtask.dashboard._security import CSRF_FIELD
 from sqlalchemy_pgtask.dashboard._task_list import TaskFilters, search_match
 from sqlalchemy_pgtask.errors import InvalidOptionError
@@ -45,14 +46,14 @@ __all__ = ["BULK_MAX", "bulk"]
 #: The most tasks one bulk action changes.
 BULK_MAX: Final = 1000
 #: The task list's filter fields (``q``: a task id or an idempotency key), as it sends them.
-FILTER_FIELDS: Final = ("state", "queue", "name", "since", "until", "q")
+FILTER_FIELDS: Final = ("state", "queue", "name", "since", "until", "q", "payload")
 _CONTROL_FIELDS: Final = frozenset({CSRF_FIELD, "as_of", "confirm", "reason", "limit", "after"})
 #: The states each action applies to, and what the page calls the change.
 _APPLIES: Final = {"retry": (FAILED, CANCELLED), "cancel": ACTIVE_STATES}
 _PAST: Final = {"retry": "retried", "cancel": "cancelled"}
 _LABELS: Final = {
     "state": "state", "queue": "queue", "name": "task name", "since": "created from",
-    "until": "created before", "q": "id or idempotency key",
+    "until": "created before", "q": "id or idempotency key", "payload": "payload contains",
 }
 #: The longest the selection's statements may run (as long as a page's).
 _TIMEOUT_MS: Final = "10000"
@@ -73,7 +74,7 @@ def _filters(form: FormData) -> tuple[TaskFilters, dict[str, str]]:
         if field not in FILTER_FIELDS and field not in _CONTROL_FIELDS and _text(form, field):
             raise InvalidOptionError(
                 field, "is not a filter bulk actions know: narrow the list by state, queue, "
-                "name, creation time or id instead",
+                "name, creation time, id or payload instead",
             )
     raw = {field: text for field in FILTER_FIELDS if (text := _text(form, field)) is not None}
     filters = TaskFilters(
@@ -81,7 +82,7 @@ def _filters(form: FormData) -> tuple[TaskFilters, dict[str, str]]:
         queue=raw.get("queue"), name=raw.get("name"),
         since=parse_instant("since", raw.get("since")),
         until=parse_instant("until", raw.get("until")),
-        search=raw.get("q"),
+        search=raw.get("q"), payload=parse_payload_filter(raw.get("payload")),
     )
     return filters, raw
 
@@ -110,6 +111,8 @@ def _conditions(filters: TaskFilters, action: str, as_of: datetime | None) -> li
         found.append(Task.created_at < as_of)
     if filters.search is not None:
         found.append(search_match(filters.search, filters.queue))
+    if filters.payload is not None:
+        found.append(contains(filters.payload))
     return found
 
 

@@ -14,6 +14,7 @@ import typing
 from typing import Any, Final
 
 from sqlalchemy import (
+    ColumnElement,
     Double,
     Insert,
     Integer,
@@ -31,8 +32,10 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
+from sqlalchemy_pgtask._defaults import SCHEDULE_HEADER
 from sqlalchemy_pgtask.models import Schedule
 from sqlalchemy_pgtask.statements._common import NOW, TSTZ, UUID_T, arrays, tasks
+from sqlalchemy_pgtask.statements._fence import const
 from sqlalchemy_pgtask.states import ACTIVE_STATES
 
 __all__ = [
@@ -75,6 +78,20 @@ def _due() -> Select[Any]:
 DUE_SCHEDULES: Final = _due()
 
 
+#: An instant as ISO 8601 in UTC, whatever the session's ``TimeZone``.
+_ISO_UTC: Final = 'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"'
+
+
+def _occurrence_header(
+    name: ColumnElement[Any], instant: ColumnElement[Any]
+) -> ColumnElement[Any]:
+    utc = func.to_char(func.timezone(const("UTC"), instant), const(_ISO_UTC))
+    return func.jsonb_build_object(
+        const(SCHEDULE_HEADER),
+        func.jsonb_build_object(const("name"), name, const("scheduled_for"), utc),
+    )
+
+
 def _from_template(template: Select[Any]) -> Insert:
     """The tasks of ``template``'s rows (a task id, the schedule's row, the occurrence), an
     occurrence that already has its task skipped (``ix_tasks_schedule_occurrence``)."""
@@ -96,7 +113,8 @@ def _from_template(template: Select[Any]) -> Insert:
 
 def _template(s: Any, task_id: Any, occurrence: Any, run_at: Any) -> Select[Any]:
     return select(
-        task_id, s.c.queue, s.c.task_name, s.c.version, s.c.payload, s.c.headers, s.c.priority,
+        task_id, s.c.queue, s.c.task_name, s.c.version, s.c.payload,
+        s.c.headers.op("||")(_occurrence_header(s.c.name, occurrence)), s.c.priority,
         s.c.max_attempts, run_at, s.c.timeout_seconds, s.c.name, occurrence,
     )
 
@@ -138,7 +156,8 @@ def _materialize() -> Update:
 
 
 #: Inserts one task per occurrence (``:ids`` and ``:occurrences``, parallel arrays, oldest
-#: first) from schedule ``:schedule``'s template, ``run_at`` the occurrence or now if later;
+#: first) from schedule ``:schedule``'s template, ``run_at`` the occurrence or now if later,
+#: its headers the template's plus `SCHEDULE_HEADER` (the schedule and the occurrence);
 #: an occurrence that already has its task is skipped (``ON CONFLICT DO NOTHING`` on
 #: ``ix_tasks_schedule_occurrence``). In the same statement the cursor moves to
 #: ``:cursor``, ``last_task_id`` to the task of ``:last`` (the newest occurrence) and

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from playwright.sync_api import Browser, ConsoleMessage, Page, expect
+from playwright.sync_api import ConsoleMessage, Page, expect
 from sqlalchemy import Engine
 
 from sqlalchemy_pgtask.dashboard import create_app
@@ -26,15 +26,6 @@ def workflow(pgtask_database_url: str, pgtask_engine: Engine) -> Workflow:
 def live(pgtask_engine: Engine, workflow: Workflow) -> Iterator[str]:
     with LiveServer(create_app(pgtask_engine)) as server:
         yield server.url
-
-
-@pytest.fixture
-def page(browser: Browser) -> Iterator[Page]:
-    """A page of its own context (``new_page`` makes one, closed with it)."""
-    opened = browser.new_page(viewport={"width": 1280, "height": 900})
-    opened.set_default_timeout(15_000)
-    yield opened
-    opened.close()
 
 
 def fill_of(page: Page, selector: str) -> str:

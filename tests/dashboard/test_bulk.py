@@ -151,7 +151,7 @@ def test_bulk_actions_need_the_admin_and_the_csrf_token_and_a_known_filter(
 
     anonymous = _post(read_only, "retry", state="failed")
     no_csrf = admin.post("/tasks/bulk/retry", data={"state": "failed"})
-    unknown = _post(admin, "retry", state="failed", payload='{"order_id": 42}')
+    unknown = _post(admin, "retry", state="failed", priority="5")
     no_such = _post(admin, "delete", state="failed")
     bad_state = _post(admin, "retry", state="exploded")
 
@@ -237,3 +237,24 @@ def test_children_cancelled_with_their_parent_are_counted_as_such(
         "cancelled"
     }
     assert [e.task_id for e in _entries(pgtask_engine, "task.cancel")] == [seeded.parent]
+
+
+def test_a_payload_filter_narrows_the_selection(
+    client_for: Callable[..., TestClient], pgtask_engine: Engine, seeded: Seeded
+) -> None:
+    client = _admin(client_for)
+    wanted = '{"to": "user7@example.com"}'
+    page = client.get("/tasks", params={"queue": "emails", "payload": wanted})
+    assert 'name="payload" value="{&#34;to&#34;: &#34;user7@example.com&#34;}"' in page.text
+
+    first = _post(client, "cancel", queue="emails", payload=wanted)
+    done = _confirm(client, "cancel", first, queue="emails", payload=wanted)
+    bad = _post(client, "cancel", payload="[1, 2]")
+
+    assert "1 task will be cancelled" in first.text
+    assert "1 task cancelled" in done.text
+    [entry] = _entries(pgtask_engine, "task.cancel")
+    with pgtask_engine.connect() as connection:
+        payload = connection.scalar(select(Task.payload).where(Task.id == entry.task_id))
+    assert payload == {"to": "user7@example.com", "kind": "welcome"}
+    assert bad.status_code == 400
