@@ -15,10 +15,12 @@ from starlette.testclient import TestClient
 
 from sqlalchemy_pgtask import EnqueueRequest, configure_queue, enqueue, enqueue_many
 from sqlalchemy_pgtask.audit import list_audit
+from sqlalchemy_pgtask.dashboard import create_app
 from sqlalchemy_pgtask.models import Task
 from tests.dashboard.conftest import TOKEN, snapshot
 from tests.dashboard.seed import Seeded, fail_task
 from tests.dashboard.test_actions import csrf, log_in, state_of
+from tests.support.roles import login_roles, role_engine
 
 AS_OF = re.compile(r'name="as_of" value="([^"]+)"')
 
@@ -258,3 +260,24 @@ def test_a_payload_filter_narrows_the_selection(
         payload = connection.scalar(select(Task.payload).where(Task.id == entry.task_id))
     assert payload == {"to": "user7@example.com", "kind": "welcome"}
     assert bad.status_code == 400
+
+
+def test_bulk_actions_work_on_the_admin_level_of_pgtask_grants(
+    pgtask_database_url: str, pgtask_engine: Engine, seeded: Seeded
+) -> None:
+    """The selection's row locks and each retry and cancel need no more than the admin
+    level's grants (docs/roles.md)."""
+    failed = _fail_emails(pgtask_engine, 2)
+    with login_roles(pgtask_database_url) as roles, \
+            role_engine(pgtask_database_url, roles.admin) as admin, \
+            TestClient(create_app(admin, admin_token=TOKEN), follow_redirects=False) as client:
+        log_in(client, "carol")
+        retry_first = _post(client, "retry", state="failed", queue="emails")
+        retried = _confirm(client, "retry", retry_first, state="failed", queue="emails")
+        cancel_first = _post(client, "cancel", queue="reports")
+        cancelled = _confirm(client, "cancel", cancel_first, queue="reports")
+
+    assert "3 tasks retried" in retried.text
+    assert "1 task cancelled" in cancelled.text
+    assert {state_of(pgtask_engine, t) for t in [*failed, seeded.failed]} == {"pending"}
+    assert state_of(pgtask_engine, seeded.pending) == "cancelled"
