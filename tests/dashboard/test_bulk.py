@@ -156,6 +156,8 @@ def test_bulk_actions_need_the_admin_and_the_csrf_token_and_a_known_filter(
     unknown = _post(admin, "retry", state="failed", priority="5")
     no_such = _post(admin, "delete", state="failed")
     bad_state = _post(admin, "retry", state="exploded")
+    long_reason = _post(admin, "retry", state="failed", confirm="yes",
+                        as_of="9999-01-01T00:00:00+00:00", reason="x" * 1001)
 
     assert anonymous.status_code == 403
     assert "needs the admin token" in anonymous.text
@@ -165,6 +167,7 @@ def test_bulk_actions_need_the_admin_and_the_csrf_token_and_a_known_filter(
     assert "not a filter bulk actions know" in unknown.text
     assert no_such.status_code == 404
     assert bad_state.status_code == 400
+    assert long_reason.status_code == 400
     assert snapshot(pgtask_engine) == before
 
 
