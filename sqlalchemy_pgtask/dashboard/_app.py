@@ -14,7 +14,7 @@ from typing import Any, Final
 import psycopg
 from sqlalchemy import Engine, create_engine, make_url
 from sqlalchemy.engine import URL
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import OperationalError, ProgrammingError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -97,6 +97,14 @@ def _wrap(
                 request, 503,
                 "The page's query ran longer than 10 s and was cancelled: narrow the filters "
                 "(a queue, a time range).",
+            )
+        except ProgrammingError as exc:
+            if not isinstance(exc.orig, psycopg.errors.InsufficientPrivilege):
+                raise
+            return dashboard.error(
+                request, 403,
+                "The dashboard's database role lacks a privilege this action needs (see "
+                "docs/roles.md: actions need the admin level): nothing was changed.",
             )
         except PgTaskError as exc:
             for kind, code in _STATUS:
