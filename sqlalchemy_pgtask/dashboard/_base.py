@@ -100,7 +100,11 @@ class Dashboard:
                 # A filter that matches almost nothing walks a whole index: bound what one
                 # page may cost the database (local to this transaction).
                 connection.execute(
-                    select(func.set_config("statement_timeout", _READ_TIMEOUT_MS, True))
+                    select(func.set_config("statement_timeout", _READ_TIMEOUT_MS, True),
+                           # A page's statements read index ranges in milliseconds; a rough
+                           # estimate (a recursive CTE's) would have JIT compile one for
+                           # 30 to 100 ms longer than it runs.
+                           func.set_config("jit", "off", True))
                 )
                 if not status.schema_installed(connection):
                     raise SchemaNotInstalled()

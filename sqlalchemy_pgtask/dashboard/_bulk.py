@@ -24,15 +24,17 @@ from datetime import datetime
 from typing import Any, Final
 from urllib.parse import urlencode
 
-from sqlalchemy import Connection, func, select
+from sqlalchemy import Connection, func, literal_column, select
 from starlette.datastructures import FormData
 from starlette.requests import Request
 from starlette.responses import Response
 
 from sqlalchemy_pgtask.admin import retry as retry_task
+from sqlalchemy_pgtask.audit import check_reason
 from sqlalchemy_pgtask.client import cancel as cancel_task
 from sqlalchemy_pgtask.dashboard._base import Dashboard, NotFound
 from sqlalchemy_pgtask.dashboard._pages import parse_instant
+from sqlalchemy_pgtask.dashboard._payload import contains, parse_payload_filter
 from sqlalchemy_pgtask.dashboard._security import CSRF_FIELD
 from sqlalchemy_pgtask.dashboard._task_list import TaskFilters, search_match
 from sqlalchemy_pgtask.errors import InvalidOptionError
@@ -45,14 +47,14 @@ __all__ = ["BULK_MAX", "bulk"]
 #: The most tasks one bulk action changes.
 BULK_MAX: Final = 1000
 #: The task list's filter fields (``q``: a task id or an idempotency key), as it sends them.
-FILTER_FIELDS: Final = ("state", "queue", "name", "since", "until", "q")
+FILTER_FIELDS: Final = ("state", "queue", "name", "since", "until", "q", "payload")
 _CONTROL_FIELDS: Final = frozenset({CSRF_FIELD, "as_of", "confirm", "reason", "limit", "after"})
 #: The states each action applies to, and what the page calls the change.
 _APPLIES: Final = {"retry": (FAILED, CANCELLED), "cancel": ACTIVE_STATES}
 _PAST: Final = {"retry": "retried", "cancel": "cancelled"}
 _LABELS: Final = {
     "state": "state", "queue": "queue", "name": "task name", "since": "created from",
-    "until": "created before", "q": "id or idempotency key",
+    "until": "created before", "q": "id or idempotency key", "payload": "payload contains",
 }
 #: The longest the selection's statements may run (as long as a page's).
 _TIMEOUT_MS: Final = "10000"
@@ -73,7 +75,7 @@ def _filters(form: FormData) -> tuple[TaskFilters, dict[str, str]]:
         if field not in FILTER_FIELDS and field not in _CONTROL_FIELDS and _text(form, field):
             raise InvalidOptionError(
                 field, "is not a filter bulk actions know: narrow the list by state, queue, "
-                "name, creation time or id instead",
+                "name, creation time, id or payload instead",
             )
     raw = {field: text for field in FILTER_FIELDS if (text := _text(form, field)) is not None}
     filters = TaskFilters(
@@ -81,7 +83,7 @@ def _filters(form: FormData) -> tuple[TaskFilters, dict[str, str]]:
         queue=raw.get("queue"), name=raw.get("name"),
         since=parse_instant("since", raw.get("since")),
         until=parse_instant("until", raw.get("until")),
-        search=raw.get("q"),
+        search=raw.get("q"), payload=parse_payload_filter(raw.get("payload")),
     )
     return filters, raw
 
@@ -89,7 +91,12 @@ def _filters(form: FormData) -> tuple[TaskFilters, dict[str, str]]:
 def _conditions(filters: TaskFilters, action: str, as_of: datetime | None) -> list[Any]:
     """What selects the tasks ``action`` changes: the filters, the states it applies to and,
     once confirmed, creation before the count."""
-    found: list[Any] = [Task.state.in_(_APPLIES[action])]
+    # Literals, not parameters: the planner can then match the partial index on unfinished
+    # tasks (a cancel) or on finished ones (a retry), so the count never reads the history
+    # of states the action cannot change. States are a fixed set of words, never user input.
+    found: list[Any] = [
+        Task.state.in_([literal_column(f"'{state}'") for state in _APPLIES[action]])
+    ]
     if action == "cancel":  # asking again for a running task changes nothing
         found.append((Task.state != RUNNING) | Task.cancel_requested_at.is_(None))
     for column, value in (
@@ -105,6 +112,8 @@ def _conditions(filters: TaskFilters, action: str, as_of: datetime | None) -> li
         found.append(Task.created_at < as_of)
     if filters.search is not None:
         found.append(search_match(filters.search, filters.queue))
+    if filters.payload is not None:
+        found.append(contains(filters.payload))
     return found
 
 
@@ -134,15 +143,15 @@ def _apply(
     ).scalars())
     if len(ids) > BULK_MAX:
         return None
-    counts = {"changed": 0, "requested": 0}
+    counts = {"changed": 0, "requested": 0, "finished": 0}
     for task_id in ids:
         if action == "retry":
             retry_task(connection, task_id, actor=actor, reason=reason)
             counts["changed"] += 1
-        elif cancel_task(connection, task_id, actor=actor, reason=reason) == "running":
-            counts["requested"] += 1
-        else:
-            counts["changed"] += 1
+            continue
+        # A child of a task cancelled earlier in the loop was cancelled with it (None).
+        state = cancel_task(connection, task_id, actor=actor, reason=reason)
+        counts[{"cancelled": "changed", "running": "requested"}.get(state or "", "finished")] += 1
     return counts
 
 
@@ -177,7 +186,7 @@ async def bulk(dashboard: Dashboard, request: Request) -> Response:
         "counts": None, "count": 0, "as_of": None, "too_many": False,
     }
     if confirmed:
-        reason = _text(form, "reason")
+        reason = check_reason(_text(form, "reason"))  # before any lock is taken
         counts = await dashboard.write(
             lambda connection: _apply(connection, action, conditions, actor, reason)
         )

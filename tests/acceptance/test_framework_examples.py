@@ -5,7 +5,6 @@ example of an application's own handler tests run by pytest.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -19,25 +18,15 @@ from starlette.testclient import TestClient
 
 from sqlalchemy_pgtask.audit import list_audit
 from sqlalchemy_pgtask.testing import ServerInfo
-from tests.support.workerproc import Database, WorkerLauncher, cli_env
+from tests.support.examples import EXAMPLES, load_example, run_example_script
+from tests.support.workerproc import Database, WorkerLauncher
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CSRF = re.compile(r'name="csrf_token" value="([^"]+)"')
 
 
 def fastapi_example() -> ModuleType:
     """``examples/fastapi_app.py``, imported under the name its worker command uses."""
-    loaded = sys.modules.get("fastapi_app")
-    if loaded is not None:
-        return loaded
-    spec = importlib.util.spec_from_file_location("fastapi_app", EXAMPLES / "fastapi_app.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    # Registered before it runs: pydantic resolves the models' annotations through it.
-    sys.modules["fastapi_app"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_example("fastapi_app")
 
 
 def test_fastapi_example_commits_the_signup_with_its_task_and_reports_the_workers_result(
@@ -116,22 +105,10 @@ def test_fastapi_example_serves_the_dashboard_under_its_prefix_behind_its_own_au
 def test_plain_script_example_runs_its_task_and_prints_the_result(
     pgtask_database_url: str, tmp_path: Path
 ) -> None:
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLES / "plain_script.py")],
-        cwd=tmp_path,
-        env=cli_env({"PGTASK_DATABASE_URL": pgtask_database_url}),
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-
-    assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
+    out = run_example_script("plain_script.py", pgtask_database_url, tmp_path)
     assert "enqueued in the same transaction" in out
     assert "task succeeded after 1 attempt(s): {'invoice_id': 1, 'total_cents': 3750}" in out
     assert "invoice 1 is totalled" in out
-    assert out.rstrip().endswith("example finished")
 
 
 def test_handler_tests_example_passes_under_pytest_in_a_project_of_its_own(

@@ -1,14 +1,11 @@
 """The dashboard's admin features in a real headless Chromium (Debian's): a bulk retry of the
-filtered task list clicked through its confirmation, and a schedule paused and resumed from
-the schedules page, each time shown with its zone; no page runs script or inline style.
+filtered task list clicked through its confirmation, and a schedule paused, resumed and run
+now from the schedules page, each time shown with its zone; no page runs script or inline style.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
-from playwright.sync_api import Browser, ConsoleMessage, Page, expect
+from playwright.sync_api import ConsoleMessage, Page, expect
 from sqlalchemy import Engine, select
 
 from sqlalchemy_pgtask import get_schedule
@@ -18,31 +15,22 @@ from tests.dashboard.conftest import TOKEN
 from tests.dashboard.seed import Seeded, fail_task
 
 
-@pytest.fixture
-def page(browser: Browser) -> Iterator[Page]:
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
-    page = context.new_page()
-    page.set_default_timeout(15_000)
-    yield page
-    context.close()
+def _log_in(tab: Page, live: str) -> None:
+    tab.goto(live + "/login")
+    tab.get_by_label("Your name").fill("grace")
+    tab.get_by_label("Admin token").fill(TOKEN)
+    tab.get_by_role("button", name="Log in").click()
+    expect(tab.get_by_test_id("actor")).to_have_text("dashboard:grace")
 
 
-def _log_in(page: Page, live: str) -> None:
-    page.goto(live + "/login")
-    page.get_by_label("Your name").fill("grace")
-    page.get_by_label("Admin token").fill(TOKEN)
-    page.get_by_role("button", name="Log in").click()
-    expect(page.get_by_test_id("actor")).to_have_text("dashboard:grace")
-
-
-def _csp_violations(page: Page) -> list[str]:
+def _csp_violations(tab: Page) -> list[str]:
     seen: list[str] = []
 
     def note(message: ConsoleMessage) -> None:
         if "Content Security Policy" in message.text:
             seen.append(message.text)
 
-    page.on("console", note)
+    tab.on("console", note)
     return seen
 
 
@@ -85,7 +73,7 @@ def test_bulk_retry_of_the_filtered_list_is_clicked_through_its_confirmation(
     assert violations == []
 
 
-def test_a_schedule_is_paused_and_resumed_from_its_page_with_times_in_its_zone(
+def test_a_schedule_is_paused_resumed_and_run_now_from_its_page_with_times_in_its_zone(
     page: Page, live: str, seeded: Seeded, pgtask_engine: Engine
 ) -> None:
     violations = _csp_violations(page)
@@ -101,12 +89,15 @@ def test_a_schedule_is_paused_and_resumed_from_its_page_with_times_in_its_zone(
         paused = get_schedule(connection, "nightly-report")
     row.get_by_role("button", name="Resume").click()
     expect(page.get_by_role("status")).to_contain_text("The schedule is resumed")
+    row.get_by_role("button", name="Run now").click()
+    expect(page.get_by_role("status")).to_contain_text("One occurrence was enqueued now")
 
     assert paused is not None
     assert paused.paused
     with pgtask_engine.connect() as connection:
         entries = list_audit(connection, schedule="nightly-report", limit=5)
-    assert [(e.action, e.actor) for e in entries][:2] == [
-        ("schedule.resume", "dashboard:grace"), ("schedule.pause", "dashboard:grace"),
+    assert [(e.action, e.actor) for e in entries][:3] == [
+        ("schedule.run_now", "dashboard:grace"), ("schedule.resume", "dashboard:grace"),
+        ("schedule.pause", "dashboard:grace"),
     ]
     assert violations == []

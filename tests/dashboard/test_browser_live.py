@@ -1,6 +1,6 @@
 """The dashboard's issue-27 features in a real headless Chromium (Debian's): live refresh
-changes a count on the open page without a reload and stops when toggled off; the search by
-payload finds its task.
+changes a count on the open page without a reload and stops when toggled off; the per-queue
+charts render with the seeded counts; the search by payload finds its task.
 """
 
 from __future__ import annotations
@@ -81,3 +81,23 @@ def test_search_by_payload_finds_the_task(page: Page, fast: str, seeded: Seeded)
     page.get_by_label("Payload contains").fill("[1017]")
     page.get_by_role("button", name="Filter").click()
     expect(page.locator("main")).to_contain_text("must be a JSON object")
+
+
+def test_the_charts_render_with_the_seeded_counts(page: Page, fast: str, seeded: Seeded) -> None:
+    page.goto(fast + "/")
+    row = page.locator("tr[data-chart-queue=emails]")
+    finished = row.locator("svg.chart-finished")
+    expect(finished).to_be_visible()
+    expect(finished).to_have_attribute("data-total", "5")
+    expect(row.locator("svg.chart-failed")).to_have_attribute("data-total", "1")
+    box = finished.bounding_box()
+    assert box is not None
+    assert box["width"] > 100
+    assert box["height"] > 20
+    assert finished.locator("rect").count() >= 1
+
+    page.get_by_test_id("chart-day").click()
+    expect(page.get_by_test_id("charts")).to_have_attribute("data-window", "day")
+    expect(page.locator("tr[data-chart-queue=emails] svg.chart-finished")).to_have_attribute(
+        "data-total", "5"
+    )

@@ -13,12 +13,14 @@ from typing import Any
 from sqlalchemy import Engine, func, select, update
 from starlette.testclient import TestClient
 
-from sqlalchemy_pgtask import EnqueueRequest, enqueue, enqueue_many
+from sqlalchemy_pgtask import EnqueueRequest, configure_queue, enqueue, enqueue_many
 from sqlalchemy_pgtask.audit import list_audit
+from sqlalchemy_pgtask.dashboard import create_app
 from sqlalchemy_pgtask.models import Task
 from tests.dashboard.conftest import TOKEN, snapshot
 from tests.dashboard.seed import Seeded, fail_task
 from tests.dashboard.test_actions import csrf, log_in, state_of
+from tests.support.roles import login_roles, role_engine
 
 AS_OF = re.compile(r'name="as_of" value="([^"]+)"')
 
@@ -151,9 +153,11 @@ def test_bulk_actions_need_the_admin_and_the_csrf_token_and_a_known_filter(
 
     anonymous = _post(read_only, "retry", state="failed")
     no_csrf = admin.post("/tasks/bulk/retry", data={"state": "failed"})
-    unknown = _post(admin, "retry", state="failed", payload='{"order_id": 42}')
+    unknown = _post(admin, "retry", state="failed", priority="5")
     no_such = _post(admin, "delete", state="failed")
     bad_state = _post(admin, "retry", state="exploded")
+    long_reason = _post(admin, "retry", state="failed", confirm="yes",
+                        as_of="9999-01-01T00:00:00+00:00", reason="x" * 1001)
 
     assert anonymous.status_code == 403
     assert "needs the admin token" in anonymous.text
@@ -163,6 +167,7 @@ def test_bulk_actions_need_the_admin_and_the_csrf_token_and_a_known_filter(
     assert "not a filter bulk actions know" in unknown.text
     assert no_such.status_code == 404
     assert bad_state.status_code == 400
+    assert long_reason.status_code == 400
     assert snapshot(pgtask_engine) == before
 
 
@@ -201,3 +206,81 @@ def test_the_confirmation_page_echoes_a_markup_filter_as_inert_text(
     assert answer.status_code == 200
     assert "<script>window.__xss" not in answer.text
     assert "&lt;script&gt;window.__xss=9&lt;/script&gt;" in answer.text
+
+
+def test_a_full_queue_rolls_the_whole_bulk_retry_back(
+    client_for: Callable[..., TestClient], pgtask_engine: Engine, seeded: Seeded
+) -> None:
+    failed = [*_fail_emails(pgtask_engine, 5), seeded.failed]
+    with pgtask_engine.begin() as connection:
+        # 35 pending and 1 running are outstanding: room for two retries, not six.
+        configure_queue(connection, "emails", max_outstanding_tasks=38)
+    client = _admin(client_for)
+    first = _post(client, "retry", state="failed", queue="emails")
+    before = snapshot(pgtask_engine)
+
+    done = _confirm(client, "retry", first, state="failed", queue="emails")
+
+    assert done.status_code == 409
+    assert snapshot(pgtask_engine) == before
+    assert {state_of(pgtask_engine, t) for t in failed} == {"failed"}
+
+
+def test_children_cancelled_with_their_parent_are_counted_as_such(
+    client_for: Callable[..., TestClient], pgtask_engine: Engine, seeded: Seeded
+) -> None:
+    client = _admin(client_for)
+    first = _post(client, "cancel", queue="default")
+    assert "3 tasks will be cancelled" in first.text  # the parent and its two children
+
+    done = _confirm(client, "cancel", first, queue="default")
+
+    assert done.status_code == 200
+    text = " ".join(done.text.split())
+    assert "1 task cancelled; 2 had already been cancelled with their parents" in text
+    assert {state_of(pgtask_engine, t) for t in (seeded.parent, *seeded.children)} == {
+        "cancelled"
+    }
+    assert [e.task_id for e in _entries(pgtask_engine, "task.cancel")] == [seeded.parent]
+
+
+def test_a_payload_filter_narrows_the_selection(
+    client_for: Callable[..., TestClient], pgtask_engine: Engine, seeded: Seeded
+) -> None:
+    client = _admin(client_for)
+    wanted = '{"to": "user7@example.com"}'
+    page = client.get("/tasks", params={"queue": "emails", "payload": wanted})
+    assert 'name="payload" value="{&#34;to&#34;: &#34;user7@example.com&#34;}"' in page.text
+
+    first = _post(client, "cancel", queue="emails", payload=wanted)
+    done = _confirm(client, "cancel", first, queue="emails", payload=wanted)
+    bad = _post(client, "cancel", payload="[1, 2]")
+
+    assert "1 task will be cancelled" in first.text
+    assert "1 task cancelled" in done.text
+    [entry] = _entries(pgtask_engine, "task.cancel")
+    with pgtask_engine.connect() as connection:
+        payload = connection.scalar(select(Task.payload).where(Task.id == entry.task_id))
+    assert payload == {"to": "user7@example.com", "kind": "welcome"}
+    assert bad.status_code == 400
+
+
+def test_bulk_actions_work_on_the_admin_level_of_pgtask_grants(
+    pgtask_database_url: str, pgtask_engine: Engine, seeded: Seeded
+) -> None:
+    """The selection's row locks and each retry and cancel need no more than the admin
+    level's grants (docs/roles.md)."""
+    failed = _fail_emails(pgtask_engine, 2)
+    with login_roles(pgtask_database_url) as roles, \
+            role_engine(pgtask_database_url, roles.admin) as admin, \
+            TestClient(create_app(admin, admin_token=TOKEN), follow_redirects=False) as client:
+        log_in(client, "carol")
+        retry_first = _post(client, "retry", state="failed", queue="emails")
+        retried = _confirm(client, "retry", retry_first, state="failed", queue="emails")
+        cancel_first = _post(client, "cancel", queue="reports")
+        cancelled = _confirm(client, "cancel", cancel_first, queue="reports")
+
+    assert "3 tasks retried" in retried.text
+    assert "1 task cancelled" in cancelled.text
+    assert {state_of(pgtask_engine, t) for t in [*failed, seeded.failed]} == {"pending"}
+    assert state_of(pgtask_engine, seeded.pending) == "cancelled"

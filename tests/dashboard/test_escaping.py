@@ -90,6 +90,10 @@ VOID: Final = frozenset({
 })
 #: Elements that load or embed something: none may come from data.
 EMBEDDING: Final = frozenset({"img", "iframe", "object", "embed", "svg", "math", "base", "frame"})
+#: The classes of the dashboard's own drawings: an ``svg`` carrying one is the template's,
+#: not data (the data inside it, step names, signal names, errors, is checked as text).
+OWN_DRAWINGS: Final = frozenset({"timeline"})
+CHART_KINDS: Final = frozenset({"finished", "failed", "depth"})
 
 
 @dataclass
@@ -149,6 +153,13 @@ class Elements(HTMLParser):
         return element
 
 
+def own_chart(element: Element) -> bool:
+    """The overview's charts (`dashboard._charts`): an ``svg`` of a fixed class and kind,
+    drawn from numbers; an event handler on one is still reported."""
+    return (element.tag == "svg" and element.attrs.get("data-chart") in CHART_KINDS
+            and element.attrs.get("class") == f"chart chart-{element.attrs.get('data-chart')}")
+
+
 def active_markup(page: str) -> list[str]:
     """What in ``page`` would run or load something: script elements (but the dashboard's
     own, from its static files), embedding elements, event handler attributes, javascript:
@@ -158,7 +169,10 @@ def active_markup(page: str) -> list[str]:
         src = element.attrs.get("src") or ""
         if element.tag == "script" and not src.startswith("/static/"):
             found.append(f"<script src={src!r}>")
-        if element.tag in EMBEDDING:
+        own = element.tag == "svg" and not OWN_DRAWINGS.isdisjoint(
+            (element.attrs.get("class") or "").split()
+        )
+        if element.tag in EMBEDDING and not own and not own_chart(element):
             found.append(f"<{element.tag}>")
         for name, value in element.attrs.items():
             if name.startswith("on"):

@@ -1,6 +1,7 @@
 """The schedules page: each schedule's time zone, misfire and overlap policies, every time
-labelled with its zone; pause and resume for admins, audited with the actor, refused (and
-nothing written) for anyone else.
+labelled with its zone; pause, resume and run now for admins, audited with the actor, refused
+(and nothing written) for anyone else; run now on a role that may not enqueue is a 403 that
+says why.
 """
 
 from __future__ import annotations
@@ -8,14 +9,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import datetime, timezone
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, select
 from starlette.testclient import TestClient
 
 from sqlalchemy_pgtask import get_schedule, set_schedule
 from sqlalchemy_pgtask.audit import list_audit
+from sqlalchemy_pgtask.dashboard import create_app
+from sqlalchemy_pgtask.models import Task
 from tests.dashboard.conftest import TOKEN, snapshot
 from tests.dashboard.seed import Seeded
 from tests.dashboard.test_actions import csrf, log_in
+from tests.support.roles import login_roles, role_engine
 
 
 def _berlin(engine: Engine) -> None:
@@ -115,3 +119,74 @@ def test_schedule_actions_are_refused_without_the_admin_and_write_nothing(
     assert info is not None
     assert not info.paused
     assert [e.action for e in entries] == ["schedule.set"]
+
+
+def test_run_now_by_an_admin_enqueues_one_occurrence_and_audits_it(
+    client_for: Callable[..., TestClient], pgtask_engine: Engine, seeded: Seeded
+) -> None:
+    client = client_for(admin_token=TOKEN)
+    log_in(client, "carol")
+    page = client.get("/schedules").text
+    assert 'action="/schedules/nightly-report/run-now"' in page
+
+    answer = client.post("/schedules/nightly-report/run-now",
+                         data={"csrf_token": csrf(client, "/schedules")})
+
+    assert answer.status_code == 303
+    assert answer.headers["location"] == "/schedules?notice=schedule-run"
+    assert "One occurrence was enqueued now" in client.get(answer.headers["location"]).text
+    with pgtask_engine.connect() as connection:
+        [task] = connection.execute(
+            select(Task.id, Task.name, Task.queue).where(Task.schedule_name == "nightly-report")
+        ).all()
+        [entry] = list_audit(connection, schedule="nightly-report", limit=1)
+    assert (task.name, task.queue) == ("reports.build", "reports")
+    assert (entry.action, entry.actor, entry.task_id) == (
+        "schedule.run_now", "dashboard:carol", task.id,
+    )
+
+
+def test_run_now_on_a_role_that_may_not_enqueue_is_a_403_with_the_reason(
+    pgtask_database_url: str, pgtask_engine: Engine, seeded: Seeded
+) -> None:
+    """The admin level of `pgtask grants` cannot insert tasks (docs/roles.md)."""
+    before = snapshot(pgtask_engine)
+    with login_roles(pgtask_database_url) as roles, \
+            role_engine(pgtask_database_url, roles.admin) as admin, \
+            TestClient(create_app(admin, admin_token=TOKEN), follow_redirects=False) as client:
+        log_in(client, "carol")
+        page = client.get("/schedules").text
+        answer = client.post("/schedules/nightly-report/run-now",
+                             data={"csrf_token": csrf(client, "/schedules")})
+        paused = client.post("/schedules/nightly-report/pause",
+                             data={"csrf_token": csrf(client, "/schedules")})
+
+    assert 'data-testid="no-run-now"' in page
+    assert "/run-now" not in page
+    assert answer.status_code == 403
+    assert "may not insert into pgtask.tasks" in answer.text
+    assert paused.status_code == 303  # the admin level may pause
+    with pgtask_engine.connect() as connection:
+        entries = list_audit(connection, schedule="nightly-report", limit=10)
+    assert [e.action for e in entries] == ["schedule.pause", "schedule.set"]
+    assert snapshot(pgtask_engine)[1] == before[1]  # no task was added
+
+
+def test_an_action_on_a_read_only_role_is_a_403_that_names_the_missing_privilege(
+    pgtask_database_url: str, pgtask_engine: Engine, seeded: Seeded
+) -> None:
+    """A dashboard given the observer level and a token: its actions are refused by the
+    database, and the operator is told why rather than shown a server error."""
+    before = snapshot(pgtask_engine)
+    with login_roles(pgtask_database_url) as roles, \
+            role_engine(pgtask_database_url, roles.observer) as observer, \
+            TestClient(create_app(observer, admin_token=TOKEN), follow_redirects=False) as client:
+        log_in(client, "carol")
+        paused = client.post("/schedules/nightly-report/pause",
+                             data={"csrf_token": csrf(client, "/schedules")})
+        retried = client.post(f"/tasks/{seeded.failed}/retry", data={"csrf_token": csrf(client)})
+
+    assert paused.status_code == retried.status_code == 403
+    assert "lacks a privilege this action needs" in paused.text
+    assert "lacks a privilege this action needs" in retried.text
+    assert snapshot(pgtask_engine) == before
