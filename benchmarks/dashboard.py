@@ -1,4 +1,4 @@
-"""benchmarks/dashboard.py: the dashboard's task list on a large table (run on demand; not a
+"""benchmarks/dashboard.py: the dashboard's pages on a large table (run on demand; not a
 test; prints figures).
 
 ::
@@ -14,7 +14,11 @@ and its reservation row. It analyses, then times filtered pages of the task list
 each (default 20): the query alone (`task_page` in the read-only snapshot the app uses) and
 the whole page through the app (Starlette's test client: routing, the query, the template),
 and prints the plan's scans and how many tasks each page read (`TaskPage.searched_to` is set
-when a page stopped at `SCAN_LIMIT`). The database is dropped afterwards.
+when a page stopped at `SCAN_LIMIT`). Then the other pages ``R`` times each through the app:
+the overview with its charts of the last hour and of the last day, the live fragments of the
+overview, the task list and a task's page (``X-Pgtask-Fragment: live``), searches by payload
+(JSON containment, bounded by `SCAN_LIMIT`) and a task's page; and the chart statement and
+the payload search's plan. The database is dropped afterwards.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from sqlalchemy import Connection, Engine, create_engine, event, text
 from starlette.testclient import TestClient
 
 from sqlalchemy_pgtask.dashboard import create_app
+from sqlalchemy_pgtask.dashboard._charts import WINDOWS, queue_charts
+from sqlalchemy_pgtask.dashboard._payload import parse_payload_filter
 from sqlalchemy_pgtask.dashboard._task_list import SCAN_LIMIT, TaskFilters, TaskPage, task_page
 
 FILL_SQL = """
@@ -184,6 +190,48 @@ def measure(engine: Engine, runs: int) -> None:
     print(f"* the page stopped after reading {SCAN_LIMIT:,} tasks (TaskPage.searched_to)")
 
 
+def pages(engine: Engine, runs: int) -> None:
+    """The overview, charts, live fragments and payload searches: p95 per page."""
+    task_id = read_only(engine, lambda c: c.execute(text(
+        "SELECT id FROM pgtask.tasks WHERE created_at < now() - interval '15 days' LIMIT 1"
+    )).scalar_one())
+    live = {"X-Pgtask-Fragment": "live"}
+    rows = [
+        ("overview (charts: last hour)", "/", {}),
+        ("overview (charts: last day)", "/?chart=day", {}),
+        ("overview, live fragment", "/", live),
+        ("task list, live fragment", "/tasks", live),
+        ("task list state=failed, live", "/tasks?state=failed", live),
+        ("payload {\"i\": 5} (oldest)", '/tasks?payload={"i": 5}', {}),
+        ("payload {\"i\": 999990} (newest)", '/tasks?payload={"i": 999990}', {}),
+        ("payload + queue=q3", '/tasks?payload={"i": 5}&queue=q3', {}),
+        ("payload, 1 day 10 days ago", "/tasks?payload=%7B%22i%22%3A%205%7D&since="
+         + (datetime.now(timezone.utc) - timedelta(days=10)).strftime("%Y-%m-%dT%H:%M:%S")
+         + "&until="
+         + (datetime.now(timezone.utc) - timedelta(days=9)).strftime("%Y-%m-%dT%H:%M:%S"), {}),
+        ("task page", f"/tasks/{task_id}", {}),
+        ("task page, live fragment", f"/tasks/{task_id}", live),
+    ]
+    client = TestClient(create_app(engine))
+    client.__enter__()
+    print(f"\n{'page':38} {'page ms (median / p95)':>24}")
+    for label, url, headers in rows:
+        def view(u: str = url, h: dict[str, str] = headers) -> Any:
+            return client.get(u, headers=h).raise_for_status()
+
+        median, p95 = timed(view, runs)
+        print(f"{label:38} {median:11.1f} / {p95:8.1f}", flush=True)
+    client.__exit__(None, None, None)
+    for window in WINDOWS.values():
+        def chart(w: Any = window) -> Any:
+            return read_only(engine, lambda c: queue_charts(c, w, {}))
+
+        median, p95 = timed(chart, runs)
+        print(f"chart statement, {window.label:21} {median:11.1f} / {p95:8.1f}  (query ms)")
+    print("payload plan:", plan(engine, TaskFilters(
+        payload=parse_payload_filter('{"i": 5}')), None))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--database-url")
@@ -197,6 +245,7 @@ def main() -> int:
         seconds = fill(engine, args.tasks)
         print(f"inserted {args.tasks:,} tasks in {seconds:.1f} s")
         measure(engine, args.runs)
+        pages(engine, args.runs)
     return 0
 
 

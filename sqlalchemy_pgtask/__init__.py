@@ -106,6 +106,8 @@ from sqlalchemy_pgtask.schedule import (
     pause_schedule_async,
     resume_schedule,
     resume_schedule_async,
+    run_schedule_now,
+    run_schedule_now_async,
     set_schedule,
     set_schedule_async,
 )
@@ -210,6 +212,8 @@ __all__ = [
     "retry_async",
     "run_retention",
     "run_retention_async",
+    "run_schedule_now",
+    "run_schedule_now_async",
     "set_schedule",
     "set_schedule_async",
     "wait_for_result",

@@ -102,6 +102,8 @@ PRIVILEGES: Final[Mapping[str, tuple[TableGrant, ...]]] = {
         *_on("tasks", "SELECT"),
         _columns("INSERT", "tasks", _ENQUEUED),
         *_on("idempotency_keys", "SELECT"),
+        # ``idempotency_keys_reserved_task`` (pgtask_0015) checks at commit that the key's
+        # task exists with that queue and key: a key is reserved only with its own task.
         _columns("INSERT", "idempotency_keys", "queue key task_id"),
         # Taking over an expired key (`statements.TAKE_OVER_KEYS`); the table's triggers
         # (pgtask_0014) refuse any other update: a live key is never extended, released or
@@ -131,7 +133,8 @@ PRIVILEGES: Final[Mapping[str, tuple[TableGrant, ...]]] = {
             " has_children retry_kind retry_base_seconds retry_factor retry_max_seconds"
             " retry_jitter",
         ),
-        # Retention; ``tasks_delete_terminal`` (pgtask_0014) refuses a task not finished.
+        # Retention; ``tasks_delete_retained`` (pgtask_0015) refuses a task not finished, or
+        # finished within its queue's terminal retention.
         *_on("tasks", "DELETE"),
         *_on("attempts", "SELECT", "INSERT", "UPDATE"),
         *_on("checkpoints", "SELECT", "INSERT"),
@@ -168,7 +171,8 @@ PRIVILEGES: Final[Mapping[str, tuple[TableGrant, ...]]] = {
             "state run_at failed_attempts cancel_requested_at result error completed_at"
             " updated_at lease_token lease_owner lease_expires_at",
         ),
-        # Retention; ``tasks_delete_terminal`` (pgtask_0014) refuses a task not finished.
+        # Retention; ``tasks_delete_retained`` (pgtask_0015) refuses a task not finished, or
+        # finished within its queue's terminal retention.
         *_on("tasks", "DELETE"),
         *_on("idempotency_keys", "DELETE"),
         _KEY_LOCK,

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Final
 
+from sqlalchemy_pgtask._defaults import SCHEDULE_HEADER
 from sqlalchemy_pgtask._json_text import (
     encode,
     find_nul,
@@ -304,8 +305,11 @@ def dump_json(field: str, value: object, max_bytes: int) -> str:
     return text
 
 
-def dump_headers(value: object, field: str = "headers") -> str:
-    """Headers are a JSON object with string keys (trace context, correlation ids)."""
+def dump_headers(
+    value: object, field: str = "headers", max_bytes: int = HEADERS_MAX_BYTES
+) -> str:
+    """Headers are a JSON object with string keys (trace context, correlation ids); the
+    library's own `SCHEDULE_HEADER` is refused, so a task's occurrence is never forged."""
     if value is None:
         return "{}"
     if not isinstance(value, Mapping):
@@ -313,4 +317,8 @@ def dump_headers(value: object, field: str = "headers") -> str:
     for key in value:
         if not isinstance(key, str):
             raise PayloadError(field, f"keys must be str, got {type(key).__name__}")
-    return dump_json(field, dict(value), HEADERS_MAX_BYTES)
+    if SCHEDULE_HEADER in value:
+        raise PayloadError(
+            field, f"{SCHEDULE_HEADER!r} is reserved: schedules set it on their tasks"
+        )
+    return dump_json(field, dict(value), max_bytes)

@@ -8,7 +8,8 @@ Markers for the fast inner loop (``pytest -n auto -m "not processes and not slow
 docs/testing.md): `pytest_collection_modifyitems` marks ``processes`` every test that starts a
 process of its own beyond the test database (a worker, a dashboard, a browser, a PostgreSQL
 server, PgBouncer, the ``pgtask`` or ``alembic`` command, a wheel build), by directory or
-module, so a new test in those places is marked without remembering to. ``slow`` is set by
+module, and every test that uses the browser fixture, so a new test in those places is
+marked without remembering to. ``slow`` is set by
 hand on the few in-process tests that take seconds each.
 """
 
@@ -27,6 +28,8 @@ _TESTS: Final = Path(__file__).resolve().parent
 
 #: Where every test starts a process of its own: whole directories, then single modules.
 PROCESS_DIRECTORIES: Final = ("acceptance", "migrations")
+#: A test using this fixture drives Chromium (tests/dashboard/conftest.py), wherever it is.
+BROWSER_FIXTURE: Final = "playwright_instance"
 PROCESS_MODULES: Final = (
     "dashboard/test_browser.py",  # Chromium
     "integration/test_server.py",  # PostgreSQL servers of its own
@@ -109,7 +112,8 @@ def is_slow(path: Path, function: str) -> bool:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if needs_processes(item.path):
+        uses_browser = BROWSER_FIXTURE in getattr(item, "fixturenames", ())
+        if uses_browser or needs_processes(item.path):
             item.add_marker(pytest.mark.processes)
         function = getattr(item, "originalname", item.name)
         if is_slow(item.path, function):

@@ -49,9 +49,11 @@ def dashboard(args: argparse.Namespace) -> int:
             with engine.connect() as connection:
                 if not status.schema_installed(connection):
                     raise SchemaNotInstalled()
-            options = {} if args.session_max_age is None else {
+            options: dict[str, Any] = {} if args.session_max_age is None else {
                 "session_max_age": args.session_max_age
             }
+            if args.live_interval is not None:
+                options["live_interval"] = args.live_interval
             try:
                 app = create_app(
                     engine, admin_token=token, require_login=args.require_login, **options
@@ -166,6 +168,13 @@ def add_commands(commands: Any) -> None:
     command.add_argument(
         "--session-max-age", metavar="SECONDS", type=int_between(1, 2**31),
         help="how long a login lasts, 60 s to 400 days (default: 43200, 12 hours)",
+    )
+    command.add_argument(
+        "--live-interval", metavar="SECONDS", type=float,
+        help=(
+            "seconds between live refreshes of the overview, the task list and a task's "
+            "page, 1 to 3600; 0 turns live refresh off (default: 5)"
+        ),
     )
     command.add_argument(
         "--require-login", action="store_true",

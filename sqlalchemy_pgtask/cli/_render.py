@@ -52,7 +52,11 @@ _INDENT: Final = "  "
 #: Error-document keys rendered by `_error_lines` itself; the rest are listed after them.
 _ERROR_KEYS: Final = frozenset({"type", "exception", "message", "traceback"})
 #: `TaskDetail` fields shown as sections of their own, not as the task's fields.
-_RELATED: Final = ("attempts", "steps", "wait", "children", "parent")
+_RELATED: Final = (
+    "attempts", "steps", "wait", "children", "parent",
+    # Always 0 here: the command reads every attempt, step and child.
+    "attempts_omitted", "steps_omitted", "children_omitted",
+)
 #: A step's value longer than this (as JSON) is cut in the text output; ``--json`` has it all.
 _STEP_VALUE_WIDTH: Final = 120
 

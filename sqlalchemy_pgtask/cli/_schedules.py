@@ -1,4 +1,4 @@
-"""cli._schedules: ``pgtask schedule list|set|pause|resume|delete``; calls the library's
+"""cli._schedules: ``pgtask schedule list|set|pause|resume|run-now|delete``; calls the library's
 schedule functions in one transaction per command and prints what they return.
 """
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import uuid
 from datetime import datetime
 from typing import Any
 
@@ -22,6 +23,7 @@ from sqlalchemy_pgtask.schedule import (
     list_schedules,
     pause_schedule,
     resume_schedule,
+    run_schedule_now,
     set_schedule,
 )
 
@@ -123,6 +125,15 @@ def _change(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _run_now(args: argparse.Namespace) -> int:
+    def run(connection: Connection) -> uuid.UUID:
+        return run_schedule_now(connection, args.name, actor=args.actor, reason=args.reason)
+
+    task_id = in_transaction(args, run, read_only=False)
+    _print(f"schedule {args.name}: task {task_id} enqueued now")
+    return EXIT_OK
+
+
 def _url(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--database-url", metavar="URL",
                         help="PostgreSQL URL (default: $PGTASK_DATABASE_URL)")
@@ -184,6 +195,7 @@ def add_commands(commands: Any) -> None:
     for name, text in (
         ("pause", "stop creating tasks (occurrences while paused are skipped)"),
         ("resume", "create tasks again, from the next occurrence"),
+        ("run-now", "enqueue one occurrence now, from the schedule's template"),
         ("delete", "delete a schedule (its tasks are kept)"),
     ):
         action = actions.add_parser(name, help=text)
@@ -191,4 +203,4 @@ def add_commands(commands: Any) -> None:
         action.add_argument("--actor", metavar="WHO", help="recorded in the audit log")
         action.add_argument("--reason", metavar="TEXT", help="recorded in the audit log")
         _url(action)
-        action.set_defaults(handler=_change)
+        action.set_defaults(handler=_run_now if name == "run-now" else _change)

@@ -21,7 +21,7 @@ from sqlalchemy_pgtask.dashboard._throttle import Throttled
 from sqlalchemy_pgtask.status import parse_task_id
 from sqlalchemy_pgtask.validation import check_queue_name
 
-__all__ = ["cancel", "login", "login_form", "logout", "pause", "resume", "retry"]
+__all__ = ["act", "cancel", "login", "login_form", "logout", "pause", "resume", "retry"]
 
 
 async def _form(dashboard: Dashboard, request: Request) -> FormData | Response:
@@ -39,7 +39,7 @@ def _reason(form: FormData) -> str | None:
     return value.strip() or None if isinstance(value, str) else None
 
 
-async def _act(
+async def act(
     dashboard: Dashboard,
     request: Request,
     perform: Callable[[Connection, str, str | None], str],
@@ -67,7 +67,7 @@ async def retry(dashboard: Dashboard, request: Request) -> Response:
         retry_task(connection, task_id, actor=actor, reason=reason)
         return "retried"
 
-    return await _act(dashboard, request, perform, dashboard.url(request, "task", task_id=task_id))
+    return await act(dashboard, request, perform, dashboard.url(request, "task", task_id=task_id))
 
 
 async def cancel(dashboard: Dashboard, request: Request) -> Response:
@@ -79,7 +79,7 @@ async def cancel(dashboard: Dashboard, request: Request) -> Response:
             return "cancelled"
         return "cancel-requested" if state == "running" else "not-cancelled"
 
-    return await _act(dashboard, request, perform, dashboard.url(request, "task", task_id=task_id))
+    return await act(dashboard, request, perform, dashboard.url(request, "task", task_id=task_id))
 
 
 async def pause(dashboard: Dashboard, request: Request) -> Response:
@@ -89,7 +89,7 @@ async def pause(dashboard: Dashboard, request: Request) -> Response:
         pause_queue(connection, queue, actor=actor, reason=reason)
         return "paused"
 
-    return await _act(dashboard, request, perform, dashboard.url(request, "overview"))
+    return await act(dashboard, request, perform, dashboard.url(request, "overview"))
 
 
 async def resume(dashboard: Dashboard, request: Request) -> Response:
@@ -99,7 +99,7 @@ async def resume(dashboard: Dashboard, request: Request) -> Response:
         resume_queue(connection, queue, actor=actor, reason=reason)
         return "resumed"
 
-    return await _act(dashboard, request, perform, dashboard.url(request, "overview"))
+    return await act(dashboard, request, perform, dashboard.url(request, "overview"))
 
 
 async def login_form(dashboard: Dashboard, request: Request) -> Response:

@@ -21,9 +21,10 @@ from starlette.responses import Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from sqlalchemy_pgtask.dashboard import _actions, _pages
+from sqlalchemy_pgtask.dashboard import _actions, _bulk, _pages, _schedules
 from sqlalchemy_pgtask.dashboard._asgi import DashboardApp
 from sqlalchemy_pgtask.dashboard._base import Dashboard, NotFound
+from sqlalchemy_pgtask.dashboard._live import LIVE_INTERVAL, check_live_interval
 from sqlalchemy_pgtask.dashboard._queries import PAGE_SIZE_MAX
 from sqlalchemy_pgtask.dashboard._security import (
     SESSION_MAX_AGE,
@@ -41,6 +42,7 @@ from sqlalchemy_pgtask.errors import (
     TaskNotRetryable,
     ValidationError,
 )
+from sqlalchemy_pgtask.schedule import ScheduleNotFound
 
 __all__ = ["Dashboard", "NotFound", "create_app"]
 
@@ -50,6 +52,7 @@ _HERE: Final = Path(__file__).resolve().parent
 _STATUS: Final[tuple[tuple[type[PgTaskError], int], ...]] = (
     (ValidationError, 400),
     (TaskNotFound, 404),
+    (ScheduleNotFound, 404),
     (TaskNotRetryable, 409),
     (QueueFull, 409),
     (SchemaNotInstalled, 503),
@@ -115,6 +118,7 @@ def create_app(
     title: str = "pgtask",
     session_max_age: float | timedelta = SESSION_MAX_AGE,
     require_login: bool = False,
+    live_interval: float = LIVE_INTERVAL,
 ) -> Starlette:
     """The dashboard as a Starlette (ASGI) application: serve it, or mount it in your own.
 
@@ -137,9 +141,12 @@ def create_app(
         request that is not an admin's (token, session or hook): pages redirect to the login,
         other methods get 401. Without it anyone who can reach the dashboard reads every
         task's payload, headers, result and traceback.
-    :raises ValueError: a bad page size, scan limit or session age, a token shorter than 8
-        characters, a URL that is not PostgreSQL's, or ``require_login`` with neither a
-        token nor a hook (nobody could ever log in).
+    :param live_interval: seconds between live refreshes of the overview, the task list and
+        a task's page (1 to 3600, default 5; 0 turns live refresh off): the page's script
+        fetches its region again while the tab is visible (docs/dashboard.md, "Live refresh").
+    :raises ValueError: a bad page size, scan limit, session age or live interval, a token
+        shorter than 8 characters, a URL that is not PostgreSQL's, or ``require_login`` with
+        neither a token nor a hook (nobody could ever log in).
 
     Every action is a POST with a CSRF token; see docs/dashboard.md.
     """
@@ -152,10 +159,11 @@ def create_app(
     if require_login and admin_token is None and actor_from_request is None:
         raise ValueError("require_login needs an admin_token or actor_from_request")
     max_age = _session_seconds(session_max_age)
+    interval = check_live_interval(live_interval)
     engine, owned = _engine(engine_or_url)
     dashboard = Dashboard(
         engine, Guard(admin_token, actor_from_request, max_age), page_size=page_size,
-        scan_limit=scan_limit, title=title,
+        scan_limit=scan_limit, title=title, live_interval=interval,
     )
 
     def route(path: str, endpoint: Callable[[Dashboard, Request], Any], name: str,
@@ -167,11 +175,14 @@ def create_app(
         route("/tasks", _pages.tasks, "tasks"),
         route("/tasks/{task_id}", _pages.task, "task"),
         route("/workers", _pages.workers, "workers"),
-        route("/schedules", _pages.schedules, "schedules"),
+        route("/schedules", _schedules.schedules, "schedules"),
         route("/audit", _pages.audit, "audit"),
         route("/login", _actions.login_form, "login"),
         route("/login", _actions.login, "login_submit", ("POST",)),
         route("/logout", _actions.logout, "logout", ("POST",)),
+        route("/tasks/bulk/{action}", _bulk.bulk, "bulk", ("POST",)),
+        route("/schedules/{schedule}/{action}", _schedules.schedule_action, "schedule_action",
+              ("POST",)),
         route("/tasks/{task_id}/retry", _actions.retry, "retry", ("POST",)),
         route("/tasks/{task_id}/cancel", _actions.cancel, "cancel", ("POST",)),
         route("/queues/{queue}/pause", _actions.pause, "pause", ("POST",)),

@@ -25,6 +25,13 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse
 
 from sqlalchemy_pgtask import status
+from sqlalchemy_pgtask.dashboard._live import (
+    FRAGMENT_HEADER,
+    FRAGMENT_VALUE,
+    LIVE_INTERVAL,
+    render_fragment,
+    wants_fragment,
+)
 from sqlalchemy_pgtask.dashboard._queries import PAGE_SIZE_MAX
 from sqlalchemy_pgtask.dashboard._security import CSRF_FIELD, Guard
 from sqlalchemy_pgtask.errors import SchemaNotInstalled
@@ -61,13 +68,16 @@ class Dashboard:
     """What every page and action needs: the engine, the access rules, the templates."""
 
     def __init__(
-        self, engine: Engine, guard: Guard, *, page_size: int, scan_limit: int, title: str
+        self, engine: Engine, guard: Guard, *, page_size: int, scan_limit: int, title: str,
+        live_interval: float = LIVE_INTERVAL,
     ) -> None:
         self.engine = engine
         self.guard = guard
         self.page_size = page_size
         self.scan_limit = scan_limit
         self.title = title
+        #: Seconds between live refreshes of a page's region (`_live`); 0: off.
+        self.live_interval = live_interval
         self.templates = jinja2.Environment(
             loader=jinja2.FileSystemLoader(_HERE / "templates"),
             # Payloads, errors and names are user data: every value is escaped unless a
@@ -90,7 +100,11 @@ class Dashboard:
                 # A filter that matches almost nothing walks a whole index: bound what one
                 # page may cost the database (local to this transaction).
                 connection.execute(
-                    select(func.set_config("statement_timeout", _READ_TIMEOUT_MS, True))
+                    select(func.set_config("statement_timeout", _READ_TIMEOUT_MS, True),
+                           # A page's statements read index ranges in milliseconds; a rough
+                           # estimate (a recursive CTE's) would have JIT compile one for
+                           # 30 to 100 ms longer than it runs.
+                           func.set_config("jit", "off", True))
                 )
                 if not status.schema_installed(connection):
                     raise SchemaNotInstalled()
@@ -144,24 +158,31 @@ class Dashboard:
         *,
         status_code: int = 200,
     ) -> HTMLResponse:
-        """The page ``template`` with ``context`` and what every page shows."""
+        """The page ``template`` with ``context`` and what every page shows; its live region
+        alone when the request asks for it (`_live`)."""
         actor = self.guard.actor(request)
-        page = self.templates.get_template(template).render(
-            {
-                "request": request,
-                "title": self.title,
-                "url": lambda name, **params: self.url(request, name, **params),
-                "actor": actor,
-                "can_act": actor is not None,
-                "actions_possible": self.guard.actions_possible,
-                "token_login": self.guard.admin_token is not None,
-                "csrf_field": CSRF_FIELD,
-                "csrf_token": self.guard.csrf_token(request),
-                "page_size_max": PAGE_SIZE_MAX,
-                **context,
-            }
-        )
-        response = HTMLResponse(page, status_code=status_code)
+        values = {
+            "request": request,
+            "title": self.title,
+            "url": lambda name, **params: self.url(request, name, **params),
+            "actor": actor,
+            "can_act": actor is not None,
+            "actions_possible": self.guard.actions_possible,
+            "token_login": self.guard.admin_token is not None,
+            "csrf_field": CSRF_FIELD,
+            "csrf_token": self.guard.csrf_token(request),
+            "page_size_max": PAGE_SIZE_MAX,
+            "live_interval": self.live_interval,
+            **context,
+        }
+        page = self.templates.get_template(template)
+        fragment = render_fragment(page, values) if wants_fragment(request) else None
+        response = HTMLResponse(page.render(values) if fragment is None else fragment,
+                                status_code=status_code)
+        if fragment is not None:
+            response.headers[FRAGMENT_HEADER] = FRAGMENT_VALUE
+        # A cache keyed by the URL alone must not answer a page with a fragment, or back.
+        response.headers["vary"] = FRAGMENT_HEADER
         self.guard.set_csrf_cookie(request, response)
         # The security headers are every response's (`_asgi`); a page is not to be cached.
         response.headers["cache-control"] = "no-store"

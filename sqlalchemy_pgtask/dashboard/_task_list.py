@@ -16,6 +16,7 @@ from typing import Any, Final
 
 from sqlalchemy import Connection, select, tuple_
 
+from sqlalchemy_pgtask.dashboard._payload import PayloadFilter, contains
 from sqlalchemy_pgtask.dashboard._queries import PAGE_SIZE_MAX
 from sqlalchemy_pgtask.errors import InvalidOptionError
 from sqlalchemy_pgtask.models import IdempotencyKey, Task
@@ -23,7 +24,9 @@ from sqlalchemy_pgtask.states import TaskState
 from sqlalchemy_pgtask.status import TaskSummary, check_list_filters
 from sqlalchemy_pgtask.validation import check_free_text
 
-__all__ = ["SCAN_LIMIT", "TaskFilters", "TaskPage", "parse_cursor", "task_page"]
+__all__ = [
+    "SCAN_LIMIT", "TaskFilters", "TaskPage", "parse_cursor", "search_match", "task_page",
+]
 
 #: The most tasks one page of a filtered task list reads before it answers with what it found
 #: (`TaskPage.searched_to`): about 20 ms of PostgreSQL on a small host, so a filter that
@@ -52,6 +55,8 @@ class TaskFilters:
     until: datetime | None = None
     #: A task id, or an idempotency key (exact).
     search: str | None = None
+    #: Tasks whose payload contains this JSON object (`_payload`).
+    payload: PayloadFilter | None = None
 
     def __post_init__(self) -> None:
         check_list_filters(state=self.state, queue=self.queue, name=self.name)
@@ -61,6 +66,8 @@ class TaskFilters:
                 raise InvalidOptionError(field, "must be an aware datetime")
         if self.search is not None:
             check_free_text("search", self.search, _SEARCH_MAX_BYTES)
+        if self.payload is not None and not isinstance(self.payload, PayloadFilter):
+            raise InvalidOptionError("payload", "must be a PayloadFilter (parse_payload_filter)")
 
 
 @dataclass(frozen=True)
@@ -110,7 +117,7 @@ def _position(connection: Connection, after: str) -> tuple[datetime, uuid.UUID]:
     return created, cursor
 
 
-def _search(text: str, queue: str | None) -> Any:
+def search_match(text: str, queue: str | None) -> Any:
     """A task id matches its task (primary key); other text matches an idempotency key
     through ``pgtask.idempotency_keys``, whose primary key ``(queue, key)`` makes it one
     lookup when the queue is known (without it, the keys are scanned). A key whose
@@ -138,7 +145,7 @@ def task_page(
     The index on ``(created_at, id)`` serves the order and the time range: the scan walks it
     backwards from the cursor (or ``until``) and stops after ``limit + 1`` matches, without
     sorting the matching rows, so the cost of a page does not grow with its depth. A page
-    filtered by state, queue or name reads one range of at most ``scan_limit`` tasks below
+    filtered by state, queue, name or payload reads one range of at most ``scan_limit`` tasks below
     the cursor: a filter that matches few or none of them answers with what it found,
     `TaskPage.searched_to` says how far back it looked, and ``next_cursor`` goes on from
     there. A search by task id or idempotency key reads just those tasks.
@@ -166,10 +173,12 @@ def task_page(
     ]
     newest = (Task.created_at.desc(), Task.id.desc())
     checks = [Task.__table__.c[column] == value for column, value in filtered]
-    if filters.search is not None or not filtered:
+    if filters.payload is not None:
+        checks.append(contains(filters.payload))
+    if filters.search is not None or not checks:
         # Every row the range yields is a match, or the search names the few rows to read.
         if filters.search is not None:
-            checks.append(_search(filters.search, filters.queue))
+            checks.append(search_match(filters.search, filters.queue))
         rows = connection.execute(
             select(*_SUMMARY_COLUMNS).where(*bounds, *checks).order_by(*newest)
             .limit(limit + 1)

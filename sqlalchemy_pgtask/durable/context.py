@@ -1,8 +1,9 @@
 """durable.context: what a running handler knows about its task, and its durable calls.
 
 An ``async def`` handler gets a `TaskContext`, a plain ``def`` handler a `SyncTaskContext`;
-both carry the task's identity and the stop request, and offer the same durable calls
-(``await``-ed on the first, blocking on the second):
+both carry the task's identity (for a scheduled task, its schedule and occurrence too) and
+the stop request, and offer the same durable calls (``await``-ed on the first, blocking on
+the second):
 
 * ``step(name, fn)``: run ``fn`` once; its JSON result is stored, and a later attempt gets
   the stored value back without calling ``fn``.
@@ -18,14 +19,15 @@ step name and occurrence then returns what it stored. See ``docs/durable.md``.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any, Literal, TypeVar, overload
 
 from sqlalchemy_pgtask import telemetry
-from sqlalchemy_pgtask._defaults import TaskTarget
+from sqlalchemy_pgtask._defaults import SCHEDULE_HEADER, TaskTarget
 from sqlalchemy_pgtask.control import LeaseLost, TaskCancelled
 from sqlalchemy_pgtask.durable.types import (
     ChildResult,
@@ -64,10 +66,23 @@ class BaseTaskContext:
     max_attempts: int
     headers: dict[str, Any]
     worker_id: uuid.UUID
+    #: The schedule that made this task, or None for a task not made by a schedule.
+    schedule_name: str | None = None
+    #: The occurrence this task runs for (timezone-aware, UTC): the instant its schedule
+    #: fell due, not when it ran; None for a task not made by a schedule.
+    scheduled_for: datetime | None = None
     #: Set once, from the worker's event loop; a handler's thread only reads it (a plain
     #: attribute: reads and writes of one are atomic, and an Event per task cost ~5 us).
     _reason: StopReason | None = field(default=None, repr=False)
     _durable: DurableRuntime | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        # The materialiser records the occurrence in a reserved header; the handler reads it
+        # from the context, and sees the headers the schedule was given.
+        if SCHEDULE_HEADER in self.headers:
+            self.schedule_name, self.scheduled_for = _occurrence(
+                self.headers.pop(SCHEDULE_HEADER)
+            )
 
     @property
     def cancelled(self) -> bool:
@@ -208,8 +223,13 @@ class TaskContext(BaseTaskContext):
 
         ``name`` is a task name or a registered `TaskDefinition`. ``options`` are
         `enqueue`'s: ``queue`` (default: the definition's, else this task's queue),
-        ``version``, ``run_at``, ``delay``, ``priority``, ``max_attempts``, ``headers``.
+        ``version``, ``run_at``, ``delay``, ``priority``, ``max_attempts``, ``headers``,
+        ``timeout`` (the child's time limit per attempt, instead of its handler's). The
+        options are checked on every run but are not part of the call's identity: a replay
+        returns the child first spawned, whatever options the code now passes.
         When this task ends, by any path, its unfinished descendants are cancelled.
+
+        :raises InvalidOptionError: an option is unknown or invalid; nothing was written.
 
         :raises QueueFull: the child's queue is at capacity; nothing was written.
         """
@@ -324,6 +344,19 @@ class SyncTaskContext(BaseTaskContext):
         runtime = self._runtime()
         key = runtime.key(step, occurrence)
         return runtime.call(runtime.wait_for_result(key, child_id, timeout))
+
+
+def _occurrence(header: object) -> tuple[str | None, datetime | None]:
+    """(schedule, occurrence) from `SCHEDULE_HEADER`'s value; (None, None) for one that the
+    materialiser did not write (only raw SQL can), which must not stop the task."""
+    if isinstance(header, dict):
+        name, when = header.get("name"), header.get("scheduled_for")
+        if isinstance(name, str) and isinstance(when, str):
+            with contextlib.suppress(ValueError):
+                instant = datetime.fromisoformat(when)
+                if instant.tzinfo is not None:
+                    return name, instant.astimezone(timezone.utc)
+    return None, None
 
 
 def _not_callable(fn: object) -> TypeError:

@@ -46,7 +46,7 @@ OVERLAP_POLICIES: Final = ("allow", "skip")
 #: Every administrative action the audit log records.
 AUDIT_ACTIONS: Final = (
     "task.retry", "task.cancel", "queue.pause", "queue.resume", "queue.configure",
-    "schedule.set", "schedule.pause", "schedule.resume", "schedule.delete",
+    "schedule.set", "schedule.pause", "schedule.resume", "schedule.delete", "schedule.run_now",
 )
 #: Most occurrences one catch-up may materialise.
 CATCH_UP_MAX: Final = 10_000

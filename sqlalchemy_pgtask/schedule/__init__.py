@@ -26,6 +26,8 @@ from sqlalchemy_pgtask.schedule.api import (
     pause_schedule_async,
     resume_schedule,
     resume_schedule_async,
+    run_schedule_now,
+    run_schedule_now_async,
     set_schedule,
     set_schedule_async,
 )
@@ -48,6 +50,8 @@ __all__ = [
     "pause_schedule_async",
     "resume_schedule",
     "resume_schedule_async",
+    "run_schedule_now",
+    "run_schedule_now_async",
     "set_schedule",
     "set_schedule_async",
 ]

@@ -16,6 +16,7 @@ docs/schedules.md.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -49,6 +50,7 @@ from sqlalchemy_pgtask.schedule.rows import (
     ScheduleNotFound,
     change,
     read,
+    run_now,
     write,
 )
 from sqlalchemy_pgtask.schedule.spec import ScheduleSpec, schedule_spec
@@ -72,6 +74,8 @@ __all__ = [
     "pause_schedule_async",
     "resume_schedule",
     "resume_schedule_async",
+    "run_schedule_now",
+    "run_schedule_now_async",
     "set_schedule",
     "set_schedule_async",
 ]
@@ -216,6 +220,39 @@ async def resume_schedule_async(
     args = _checked(name, actor, reason)
     connection = await async_connection_of(async_bind(bind, "resume_schedule"))
     return await connection.run_sync(change, args[0], "schedule.resume", args[1], args[2])
+
+
+def run_schedule_now(
+    bind: SyncBind, name: str, *, actor: str | None = None, reason: str | None = None
+) -> uuid.UUID:
+    """Enqueue one occurrence of ``name`` now, from its template, in ``bind``'s transaction;
+    returns the task's id. Never commits.
+
+    The task is the schedule's (``schedule_name``), its occurrence (``scheduled_for``) database
+    now, due at once; it becomes the schedule's last task (so ``overlap="skip"`` waits for it),
+    and the cursor does not move: the next occurrence comes as planned. A paused schedule may
+    be run this way too, and the overlap policy is not consulted: the caller asked. Writes a
+    ``schedule.run_now`` audit entry naming the task in the same transaction.
+
+    The role needs the producer's ``INSERT`` on ``pgtask.tasks``, which the admin level of
+    `sqlalchemy_pgtask.grants` does not have: without it the database refuses the insert
+    (SQLSTATE 42501) and nothing is written.
+
+    :raises ValidationError: a bad name, ``actor`` or ``reason``, before any SQL.
+    :raises ScheduleNotFound: no such schedule.
+    :raises QueueFull: the schedule's queue is at capacity; nothing was written.
+    """
+    args = _checked(name, actor, reason)
+    return run_now(connection_of(sync_bind(bind, "run_schedule_now")), *args)
+
+
+async def run_schedule_now_async(
+    bind: AsyncBind, name: str, *, actor: str | None = None, reason: str | None = None
+) -> uuid.UUID:
+    """`run_schedule_now` for an `AsyncSession` or `AsyncConnection`."""
+    args = _checked(name, actor, reason)
+    connection = await async_connection_of(async_bind(bind, "run_schedule_now"))
+    return await connection.run_sync(run_now, *args)
 
 
 def delete_schedule(

@@ -25,14 +25,18 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from sqlalchemy_pgtask._atomic import audited_unit
 from sqlalchemy_pgtask._connection import READY_CHANNEL, WAKE_ALL, translated_errors
+from sqlalchemy_pgtask._ids import new_ids
 from sqlalchemy_pgtask.audit import audit_statement
 from sqlalchemy_pgtask.errors import PgTaskError
-from sqlalchemy_pgtask.models import Schedule
+from sqlalchemy_pgtask.models import Schedule, Task
 from sqlalchemy_pgtask.schedule.recurrence import Recurrence, RecurrenceError
 from sqlalchemy_pgtask.schedule.spec import DEFINITION_FIELDS, ScheduleSpec
 from sqlalchemy_pgtask.statements import NOW
+from sqlalchemy_pgtask.statements.schedule import RUN_NOW
 
-__all__ = ["UPCOMING", "ScheduleInfo", "ScheduleNotFound", "change", "read", "write"]
+__all__ = [
+    "UPCOMING", "ScheduleInfo", "ScheduleNotFound", "change", "read", "run_now", "write",
+]
 
 _schedules = typing.cast(Table, Schedule.__table__)
 #: Upcoming occurrences a `ScheduleInfo` lists unless asked for another number.
@@ -214,6 +218,37 @@ def change(
             _wake_materialisers(connection)
         connection.execute(audit_statement(action, actor=actor, reason=reason, schedule=name))
         return _info(row, UPCOMING)
+
+
+def run_now(
+    connection: Connection, name: str, actor: str | None, reason: str | None
+) -> uuid.UUID:
+    """Enqueue one occurrence of ``name`` now (`RUN_NOW`), make it the schedule's last task
+    and audit it; the id of its task."""
+    with audited_unit(connection), translated_errors(connection):
+        # The lock the materialisers take: one of them, mid-pass on this schedule, finishes
+        # first, so the last task set here is not overwritten by an older occurrence.
+        found = connection.execute(
+            select(_schedules.c.name).where(_schedules.c.name == name)
+            .with_for_update(key_share=True)
+        ).first()
+        if found is None:
+            raise ScheduleNotFound(f"no schedule named {name!r}")
+        (task_id,) = new_ids(1)
+        at = _now(connection)
+        task = connection.execute(RUN_NOW, {"id": task_id, "schedule": name, "at": at}).first()
+        if task is None:  # that very instant already has its task (a frozen test clock)
+            return connection.execute(
+                select(Task.id).where(Task.schedule_name == name, Task.scheduled_for == at)
+            ).scalar_one()
+        connection.execute(
+            update(_schedules).where(_schedules.c.name == name).values(last_task_id=task.id)
+        )
+        connection.execute(audit_statement(
+            "schedule.run_now", actor=actor, reason=reason, task_id=task.id, queue=task.queue,
+            schedule=name, details={"scheduled_for": task.scheduled_for.isoformat()},
+        ))
+        return typing.cast(uuid.UUID, task.id)
 
 
 def read(connection: Connection, name: str | None, upcoming: int) -> list[ScheduleInfo]:

@@ -21,6 +21,7 @@ from sqlalchemy_pgtask.schedule.recurrence import (
     check_timezone,
 )
 from sqlalchemy_pgtask.validation import (
+    HEADERS_MAX_BYTES,
     INT2_MAX,
     INT2_MIN,
     INT4_MAX,
@@ -41,6 +42,10 @@ DEFINITION_FIELDS: Final = (
     "cron", "interval_seconds", "timezone", "misfire", "catch_up_limit", "overlap", "queue",
     "task_name", "version", "payload", "headers", "priority", "max_attempts", "timeout_seconds",
 )
+
+#: What `SCHEDULE_HEADER` adds to a task's headers at most (its name, a 255-byte schedule
+#: name, an instant), kept free in a schedule's headers so that its tasks fit the limit.
+OCCURRENCE_HEADER_ROOM: Final = 512
 
 
 @dataclass(frozen=True)
@@ -142,7 +147,9 @@ def schedule_spec(
         catch_up_limit=limit,
         overlap=_choice("overlap", overlap, OVERLAP_POLICIES),
         payload=dump_json("payload", payload, PAYLOAD_MAX_BYTES),
-        headers=dump_headers(headers),
+        headers=dump_headers(
+            headers, max_bytes=HEADERS_MAX_BYTES - OCCURRENCE_HEADER_ROOM
+        ),
         priority=check_int_range("priority", priority, INT2_MIN, INT2_MAX),
         max_attempts=(
             None if max_attempts is None

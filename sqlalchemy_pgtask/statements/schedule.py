@@ -14,7 +14,9 @@ import typing
 from typing import Any, Final
 
 from sqlalchemy import (
+    ColumnElement,
     Double,
+    Insert,
     Integer,
     Select,
     Table,
@@ -30,8 +32,10 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
+from sqlalchemy_pgtask._defaults import SCHEDULE_HEADER
 from sqlalchemy_pgtask.models import Schedule
 from sqlalchemy_pgtask.statements._common import NOW, TSTZ, UUID_T, arrays, tasks
+from sqlalchemy_pgtask.statements._fence import const
 from sqlalchemy_pgtask.states import ACTIVE_STATES
 
 __all__ = [
@@ -39,6 +43,7 @@ __all__ = [
     "DUE_SCHEDULES",
     "MATERIALIZE",
     "NOTE_ERROR",
+    "RUN_NOW",
     "SECONDS_UNTIL_NEXT_SCHEDULE",
     "schedules",
 ]
@@ -73,30 +78,60 @@ def _due() -> Select[Any]:
 DUE_SCHEDULES: Final = _due()
 
 
-def _materialize() -> Update:
-    occurrence = arrays(
-        "occurrence", ("ids", "id", UUID_T), ("occurrences", "scheduled_for", TSTZ)
+#: An instant as ISO 8601 in UTC, whatever the session's ``TimeZone``.
+_ISO_UTC: Final = 'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"'
+
+
+def _occurrence_header(
+    name: ColumnElement[Any], instant: ColumnElement[Any]
+) -> ColumnElement[Any]:
+    utc = func.to_char(func.timezone(const("UTC"), instant), const(_ISO_UTC))
+    return func.jsonb_build_object(
+        const(SCHEDULE_HEADER),
+        func.jsonb_build_object(const("name"), name, const("scheduled_for"), utc),
     )
-    s = schedules.alias("template")
-    inserted = (
+
+
+def _from_template(template: Select[Any]) -> Insert:
+    """The tasks of ``template``'s rows (a task id, the schedule's row, the occurrence), an
+    occurrence that already has its task skipped (``ix_tasks_schedule_occurrence``)."""
+    return (
         pg_insert(tasks)
         .from_select(
             [
                 "id", "queue", "name", "version", "payload", "headers", "priority",
                 "max_attempts", "run_at", "timeout_seconds", "schedule_name", "scheduled_for",
             ],
-            select(
-                occurrence.c.id, s.c.queue, s.c.task_name, s.c.version, s.c.payload,
-                s.c.headers, s.c.priority, s.c.max_attempts,
-                func.greatest(occurrence.c.scheduled_for, NOW), s.c.timeout_seconds,
-                s.c.name, occurrence.c.scheduled_for,
-            )
-            .select_from(occurrence.join(s, s.c.name == bindparam("schedule", type_=Text)))
-            .order_by(occurrence.c.scheduled_for),
+            template,
         )
         .on_conflict_do_nothing(
             index_elements=[tasks.c.schedule_name, tasks.c.scheduled_for],
             index_where=tasks.c.schedule_name.is_not(None),
+        )
+    )
+
+
+def _template(s: Any, task_id: Any, occurrence: Any, run_at: Any) -> Select[Any]:
+    return select(
+        task_id, s.c.queue, s.c.task_name, s.c.version, s.c.payload,
+        s.c.headers.op("||")(_occurrence_header(s.c.name, occurrence)), s.c.priority,
+        s.c.max_attempts, run_at, s.c.timeout_seconds, s.c.name, occurrence,
+    )
+
+
+def _materialize() -> Update:
+    occurrence = arrays(
+        "occurrence", ("ids", "id", UUID_T), ("occurrences", "scheduled_for", TSTZ)
+    )
+    s = schedules.alias("template")
+    inserted = (
+        _from_template(
+            _template(
+                s, occurrence.c.id, occurrence.c.scheduled_for,
+                func.greatest(occurrence.c.scheduled_for, NOW),
+            )
+            .select_from(occurrence.join(s, s.c.name == bindparam("schedule", type_=Text)))
+            .order_by(occurrence.c.scheduled_for),
         )
         .returning(tasks.c.id, tasks.c.scheduled_for)
         .cte("inserted")
@@ -121,13 +156,31 @@ def _materialize() -> Update:
 
 
 #: Inserts one task per occurrence (``:ids`` and ``:occurrences``, parallel arrays, oldest
-#: first) from schedule ``:schedule``'s template, ``run_at`` the occurrence or now if later;
+#: first) from schedule ``:schedule``'s template, ``run_at`` the occurrence or now if later,
+#: its headers the template's plus `SCHEDULE_HEADER` (the schedule and the occurrence);
 #: an occurrence that already has its task is skipped (``ON CONFLICT DO NOTHING`` on
 #: ``ix_tasks_schedule_occurrence``). In the same statement the cursor moves to
 #: ``:cursor``, ``last_task_id`` to the task of ``:last`` (the newest occurrence) and
 #: ``last_error`` is cleared. A queue at capacity fails the insert (SQLSTATE PT001) and so
 #: the whole statement: nothing is created and the cursor stays. Returns ``created``.
 MATERIALIZE: Final = _materialize()
+
+
+def _run_now() -> Insert:
+    s = schedules.alias("template")
+    return _from_template(
+        _template(s, bindparam("id", type_=UUID_T), bindparam("at", type_=TSTZ),
+                  bindparam("at", type_=TSTZ))
+        .where(s.c.name == bindparam("schedule", type_=Text))
+    ).returning(tasks.c.id, tasks.c.queue, tasks.c.scheduled_for)
+
+
+#: Inserts one task, id ``:id``, from schedule ``:schedule``'s template, its occurrence and
+#: its ``run_at`` ``:at`` (database now, read by the caller: an operator's "run now", outside
+#: the cursor); nothing if that schedule already has a task for that instant. Reads the
+#: schedule by its primary key; the cursor is not moved. Returns ``id, queue,
+#: scheduled_for`` of the task it created.
+RUN_NOW: Final = _run_now()
 
 
 def _advance() -> Update:

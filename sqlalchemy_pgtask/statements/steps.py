@@ -195,7 +195,7 @@ def _spawn() -> Select[Any]:
         pg_insert(tasks)
         .from_select(
             ["id", "queue", "name", "version", "payload", "headers", "priority",
-             "max_attempts", "run_at", "parent_id"],
+             "max_attempts", "run_at", "timeout_seconds", "parent_id"],
             select(
                 bind("child_id", UUID_T),
                 bind("child_queue", Text),
@@ -208,6 +208,7 @@ def _spawn() -> Select[Any]:
                 func.coalesce(
                     bind("child_run_at", TSTZ), NOW + seconds(bind("child_delay", Double))
                 ),
+                bind("child_timeout", Double),
                 fence.c.id,
             ).where(~has_rows(earlier)),
         )
@@ -253,6 +254,6 @@ def _spawn() -> Select[Any]:
 #: parent as having children. Returns ``(held, child_id, created)``; ``child_id`` is NULL when
 #: an earlier try of this call committed after this statement's snapshot (read the checkpoint).
 #: Binds `DurableParams` plus the child's ``id``, ``queue``, ``name``, ``version``,
-#: ``payload``, ``headers``, ``priority``, ``max_attempts``, ``run_at``, ``delay``, each
-#: prefixed ``child_``.
+#: ``payload``, ``headers``, ``priority``, ``max_attempts``, ``run_at``, ``delay``,
+#: ``timeout`` (seconds or NULL: the handler's applies), each prefixed ``child_``.
 SPAWN: Final = _spawn()

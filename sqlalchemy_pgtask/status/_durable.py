@@ -6,13 +6,16 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, Select, func, select
 
 from sqlalchemy_pgtask.models import Checkpoint, Task, Wait
 from sqlalchemy_pgtask.models._durable import sleep_deadline
 from sqlalchemy_pgtask.states import TaskState
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "DurableView",
@@ -81,6 +84,9 @@ class DurableView:
     wait: WaitInfo | None
     children: tuple[TaskRef, ...]
     parent: TaskRef | None
+    #: How many older steps and children a limit left out.
+    steps_omitted: int = 0
+    children_omitted: int = 0
 
 
 _REF_COLUMNS: Final = (Task.id, Task.name, Task.version, Task.state)
@@ -103,6 +109,28 @@ def _sleep(state: TaskState, run_at: datetime, steps: tuple[StepInfo, ...]) -> W
     )
 
 
+def newest(
+    connection: Connection,
+    statement: Select[Unpack[tuple[Any, ...]]],
+    order: tuple[Any, ...],
+    limit: int | None,
+) -> tuple[list[Any], int]:
+    """The rows of ``statement`` oldest first by ``order``, and how many older ones were left
+    out: with a ``limit``, only the newest ``limit`` (one top-n sort, then one count when
+    more exist), so a task with 100,000 of them costs a bounded page to show."""
+    if limit is None:
+        return list(connection.execute(statement.order_by(*order))), 0
+    rows = list(connection.execute(
+        statement.order_by(*(column.desc() for column in order)).limit(limit + 1)
+    ))
+    if len(rows) <= limit:
+        return rows[::-1], 0
+    total = connection.scalar(
+        select(func.count()).select_from(statement.order_by(None).subquery())
+    )
+    return rows[limit - 1::-1], int(total or 0) - limit
+
+
 def durable_view(
     connection: Connection,
     task_id: uuid.UUID,
@@ -110,26 +138,31 @@ def durable_view(
     state: TaskState,
     run_at: datetime,
     parent_id: uuid.UUID | None,
+    steps_limit: int | None = None,
+    children_limit: int | None = None,
 ) -> DurableView:
     """The steps (oldest first), wait, children (oldest first) and parent of one task.
 
     ``state``, ``run_at`` and ``parent_id`` are the task's, as the caller read them: a sleep
-    is told from them and the latest step (see `sleep_deadline`). Four ``SELECT`` statements
-    at most, locking nothing.
+    is told from them and the latest step (see `sleep_deadline`). ``steps_limit`` and
+    ``children_limit`` keep only the newest steps and children (None: all). Six ``SELECT``
+    statements at most, locking nothing.
     """
+    step_rows, steps_omitted = newest(
+        connection,
+        select(
+            Checkpoint.step, Checkpoint.occurrence, Checkpoint.version, Checkpoint.kind,
+            Checkpoint.created_at, Checkpoint.value,
+        ).where(Checkpoint.task_id == task_id),
+        (Checkpoint.created_at, Checkpoint.step, Checkpoint.occurrence),
+        steps_limit,
+    )
     steps = tuple(
         StepInfo(
             step=r.step, occurrence=r.occurrence, version=r.version, kind=r.kind,
             created_at=r.created_at, value=r.value,
         )
-        for r in connection.execute(
-            select(
-                Checkpoint.step, Checkpoint.occurrence, Checkpoint.version, Checkpoint.kind,
-                Checkpoint.created_at, Checkpoint.value,
-            )
-            .where(Checkpoint.task_id == task_id)
-            .order_by(Checkpoint.created_at, Checkpoint.step, Checkpoint.occurrence)
-        )
+        for r in step_rows
     )
     stored = connection.execute(
         select(
@@ -142,17 +175,18 @@ def durable_view(
         since=stored.created_at, deadline=stored.timeout_at, signal_name=stored.signal_name,
         signal_occurrence=stored.signal_occurrence, child_id=stored.child_id,
     )
-    children = tuple(
-        _ref(r)
-        for r in connection.execute(
-            select(*_REF_COLUMNS)
-            .where(Task.parent_id == task_id)
-            .order_by(Task.created_at, Task.id)
-        )
+    child_rows, children_omitted = newest(
+        connection,
+        select(*_REF_COLUMNS).where(Task.parent_id == task_id),
+        (Task.created_at, Task.id),
+        children_limit,
     )
     parent = None
     if parent_id is not None:
         # Under READ COMMITTED the parent may have been deleted since the task was read.
         row = connection.execute(select(*_REF_COLUMNS).where(Task.id == parent_id)).first()
         parent = None if row is None else _ref(row)
-    return DurableView(steps=steps, wait=wait, children=children, parent=parent)
+    return DurableView(
+        steps=steps, wait=wait, children=tuple(_ref(r) for r in child_rows), parent=parent,
+        steps_omitted=steps_omitted, children_omitted=children_omitted,
+    )

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
+from typing import Final
 
-from sqlalchemy import ColumnElement, Connection, and_, exists, func, literal_column, select
+from sqlalchemy import ColumnElement, Connection, and_, exists, func, literal_column, select, text
 
 from sqlalchemy_pgtask import statements
+from sqlalchemy_pgtask.errors import InvalidOptionError
 from sqlalchemy_pgtask.models import CapacityRelease, Queue, Task, WorkerCapability, WorkerRecord
 from sqlalchemy_pgtask.statements import NOW
 from sqlalchemy_pgtask.states import (
-    ACTIVE_STATES,
     CANCELLED,
     FAILED,
     PENDING,
@@ -114,6 +115,51 @@ def state_in(states: tuple[TaskState, ...]) -> ColumnElement[bool]:
     return Task.state.in_([literal_column(f"'{state}'") for state in states])
 
 
+def _states_sql(states: tuple[TaskState, ...]) -> str:
+    quoted = ", ".join(f"'{state}'" for state in states)
+    return f"state IN ({quoted})"
+
+
+#: The most queues `queue_skip_scan` finds: a history of many thousands of queues costs no
+#: more than this many probes.
+QUEUES_SCANNED_MAX: Final = 1000
+
+
+def queue_skip_scan(states: tuple[TaskState, ...]) -> str:
+    """The body of a recursive CTE ``queues(queue, found)``: the distinct queues of the tasks
+    in ``states`` (the constants of `sqlalchemy_pgtask.states`, never input), one probe each
+    of a partial index whose leading column is the queue (PostgreSQL 13 to 17 cannot skip
+    through an index on their own), at most `QUEUES_SCANNED_MAX`. The last row's queue is
+    NULL: filter it out."""
+    where = _states_sql(states)
+    return (
+        f"(SELECT queue, 1 AS found FROM pgtask.tasks WHERE {where} ORDER BY queue LIMIT 1)"  # noqa: S608
+        f" UNION ALL SELECT (SELECT t.queue FROM pgtask.tasks AS t WHERE t.{where}"
+        " AND t.queue > q.queue ORDER BY t.queue LIMIT 1), q.found + 1"
+        f" FROM queues AS q WHERE q.queue IS NOT NULL AND q.found < {QUEUES_SCANNED_MAX}"
+    )
+
+
+# Per queue, the finished tasks of a recent span by state: one range of the index on
+# finished tasks (queue, completed_at, state) per queue, index only.
+_FINISHED_SINCE: Final = text(
+    f"WITH RECURSIVE queues AS ({queue_skip_scan(TERMINAL_STATES)}) "  # noqa: S608 (constants)
+    "SELECT q.queue, f.state, f.n FROM queues AS q CROSS JOIN LATERAL ("
+    " SELECT t.state, count(*) AS n FROM pgtask.tasks AS t"
+    f" WHERE t.queue = q.queue AND t.{_states_sql(TERMINAL_STATES)}"
+    " AND t.completed_at >= pgtask.now() - make_interval(secs => :seconds)"
+    " GROUP BY t.state) AS f WHERE q.queue IS NOT NULL"
+)
+
+
+def finished_by_queue(connection: Connection, since: timedelta) -> dict[tuple[str, str], int]:
+    """``(queue, state): count`` of the tasks that finished within ``since`` of database now:
+    the queues found by `queue_skip_scan`, then one range of the index on finished tasks per
+    queue, index only; the cost follows the span's tasks, not the history's."""
+    rows = connection.execute(_FINISHED_SINCE, {"seconds": since.total_seconds()})
+    return {(r.queue, r.state): r.n for r in rows}
+
+
 def live_workers(connection: Connection) -> list[WorkerInfo]:
     """Workers whose heartbeat has not expired, newest first (``ix_workers_expires_at``)."""
     now = NOW
@@ -138,13 +184,20 @@ def live_workers(connection: Connection) -> list[WorkerInfo]:
     ]
 
 
-def queue_status(connection: Connection) -> list[QueueStatus]:
+def queue_status(
+    connection: Connection, *, finished_since: timedelta | None = None
+) -> list[QueueStatus]:
     """Every queue with settings or tasks, by name: settings, capacity use and counts by state.
 
-    Three statements, each served by its own index: the settings (``pgtask.queues``), the
-    outstanding tasks (the partial index on pending, running and waiting tasks) and the
-    finished ones (``state IN`` the terminal states, written to match a partial index on
-    terminal tasks). No statement reads every task.
+    Four statements, each served by its own index, index only: the settings
+    (``pgtask.queues``), the pending tasks with the due part (``ix_tasks_pending_run_at``),
+    the running and waiting ones (``ix_tasks_outstanding``) and the finished ones (``state
+    IN`` the terminal states, written to match the partial index on terminal tasks). No
+    statement reads the table's rows.
+
+    :param finished_since: count only the tasks that finished within this span of database
+        now (one range of the index per queue, so the cost follows the span, not the
+        history); None (the default) counts every finished task the table holds.
     """
     now = NOW
     released = (
@@ -157,32 +210,45 @@ def queue_status(connection: Connection) -> list[QueueStatus]:
         (Queue.outstanding_tasks - released).label("outstanding_tasks"),
     )
     settings = {r.name: r for r in connection.execute(queues_table)}
-    active = {
-        r.queue: r
+    # Pending apart from running and waiting: one statement over all three would read every
+    # pending row for its run_at, where (queue, run_at) of the pending tasks is an index.
+    pending = {
+        r.queue: (r.pending, r.due)
         for r in connection.execute(
             select(
-                Task.queue,
-                func.count().filter(Task.state == PENDING).label("pending"),
-                func.count().filter(Task.state == PENDING, Task.run_at <= now).label("due"),
-                func.count().filter(Task.state == RUNNING).label("running"),
-                func.count().filter(Task.state == WAITING).label("waiting"),
+                Task.queue, func.count().label("pending"),
+                func.count().filter(Task.run_at <= now).label("due"),
             )
-            .where(state_in(ACTIVE_STATES))
+            .where(state_in((PENDING,)))
             .group_by(Task.queue)
         )
     }
-    finished: dict[tuple[str, str], int] = {
+    held: dict[tuple[str, str], int] = {
         (r.queue, r.state): r.n
         for r in connection.execute(
             select(Task.queue, Task.state, func.count().label("n"))
-            .where(state_in(TERMINAL_STATES))
+            .where(state_in((RUNNING, WAITING)))
             .group_by(Task.queue, Task.state)
         )
     }
-    names = sorted(settings.keys() | active.keys() | {queue for queue, _ in finished})
+    if finished_since is None:
+        finished = {
+            (r.queue, r.state): r.n for r in connection.execute(
+                select(Task.queue, Task.state, func.count().label("n"))
+                .where(state_in(TERMINAL_STATES))
+                .group_by(Task.queue, Task.state)
+            )
+        }
+    else:
+        finished = finished_by_queue(connection, finished_since)
+    names = sorted(
+        settings.keys() | pending.keys() | {queue for queue, _ in held}
+        | {queue for queue, _ in finished}
+    )
     queues: list[QueueStatus] = []
     for name in names:
-        setting, counts = settings.get(name), active.get(name)
+        setting = settings.get(name)
+        waiting_now, due = pending.get(name, (0, 0))
         capacity = counter = None
         if setting is not None and setting.max_outstanding_tasks is not None:
             # The counter is maintained only while a capacity is set.
@@ -194,10 +260,10 @@ def queue_status(connection: Connection) -> list[QueueStatus]:
                 paused_at=None if setting is None else setting.paused_at,
                 max_outstanding_tasks=capacity,
                 outstanding_tasks=counter,
-                pending=counts.pending if counts else 0,
-                due=counts.due if counts else 0,
-                running=counts.running if counts else 0,
-                waiting=counts.waiting if counts else 0,
+                pending=waiting_now,
+                due=due,
+                running=held.get((name, RUNNING), 0),
+                waiting=held.get((name, WAITING), 0),
                 succeeded=finished.get((name, SUCCEEDED), 0),
                 failed=finished.get((name, FAILED), 0),
                 cancelled=finished.get((name, CANCELLED), 0),
@@ -206,8 +272,36 @@ def queue_status(connection: Connection) -> list[QueueStatus]:
     return queues
 
 
-def unroutable(connection: Connection) -> list[Unroutable]:
-    """Pending task identities that no live, non-draining worker can claim."""
+# The next pending tasks of each queue in claim order (``ix_tasks_claim``), at most
+# :per_queue each, whose identity no live, non-draining worker registered.
+_UNROUTABLE_NEXT: Final = text(
+    f"WITH RECURSIVE queues AS ({queue_skip_scan((PENDING,))}) "  # noqa: S608 (constants)
+    "SELECT p.queue, p.name, p.version, count(*) AS n"
+    " FROM queues AS q CROSS JOIN LATERAL ("
+    "  SELECT t.queue, t.name, t.version FROM pgtask.tasks AS t"
+    f"  WHERE t.queue = q.queue AND t.{_states_sql((PENDING,))}"
+    "  ORDER BY t.priority DESC, t.run_at, t.id LIMIT :per_queue) AS p"
+    " WHERE q.queue IS NOT NULL AND NOT EXISTS ("
+    "  SELECT 1 FROM pgtask.worker_capabilities AS c"
+    "  JOIN pgtask.workers AS w ON w.id = c.worker_id"
+    "  WHERE w.expires_at > pgtask.now() AND NOT w.draining"
+    "  AND c.queue = p.queue AND c.name = p.name AND c.version = p.version)"
+    " GROUP BY 1, 2, 3 ORDER BY 1, 2, 3"
+)
+
+
+def unroutable(connection: Connection, *, per_queue: int | None = None) -> list[Unroutable]:
+    """Pending task identities that no live, non-draining worker can claim.
+
+    :param per_queue: look only at the next this many pending tasks of each queue, in the
+        order workers claim them (``ix_tasks_claim``; the counts are then of those), so the
+        cost does not follow a large backlog; None (the default) reads every pending task.
+    """
+    if per_queue is not None:
+        if per_queue < 1:
+            raise InvalidOptionError("per_queue", f"must be at least 1, got {per_queue}")
+        rows = connection.execute(_UNROUTABLE_NEXT, {"per_queue": per_queue}).all()
+        return [Unroutable(r.queue, r.name, r.version, r.n) for r in rows]
     now = NOW
     capable = exists().where(
         WorkerCapability.worker_id == WorkerRecord.id,

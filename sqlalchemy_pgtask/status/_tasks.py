@@ -14,7 +14,13 @@ from sqlalchemy_pgtask._connection import parse_task_id
 from sqlalchemy_pgtask.errors import InvalidOptionError, TaskNotFound
 from sqlalchemy_pgtask.models import Attempt, Task
 from sqlalchemy_pgtask.states import TASK_STATES, AttemptState, TaskState
-from sqlalchemy_pgtask.status._durable import StepInfo, TaskRef, WaitInfo, durable_view
+from sqlalchemy_pgtask.status._durable import (
+    StepInfo,
+    TaskRef,
+    WaitInfo,
+    durable_view,
+    newest,
+)
 from sqlalchemy_pgtask.validation import check_int_range, check_queue_name, check_task_name
 
 __all__ = [
@@ -94,10 +100,17 @@ class TaskDetail(TaskSummary):
     children: tuple[TaskRef, ...] = ()
     #: The task that spawned it (``parent_id``), if that task still exists.
     parent: TaskRef | None = None
+    #: How many older attempts, steps and children `task_detail`'s limits left out.
+    attempts_omitted: int = 0
+    steps_omitted: int = 0
+    children_omitted: int = 0
 
 
 #: `TaskDetail` fields that are not columns of the task's row.
-_RELATED: Final = frozenset({"attempts", "steps", "wait", "children", "parent"})
+_RELATED: Final = frozenset({
+    "attempts", "steps", "wait", "children", "parent", "attempts_omitted", "steps_omitted",
+    "children_omitted",
+})
 
 _SUMMARY_COLUMNS: Final = (
     Task.id, Task.queue, Task.name, Task.version, Task.state, Task.priority, Task.attempt,
@@ -178,31 +191,53 @@ def list_tasks(
     return [_summary(row) for row in rows]
 
 
-def task_detail(connection: Connection, task_id: uuid.UUID | str) -> TaskDetail | None:
+def task_detail(
+    connection: Connection,
+    task_id: uuid.UUID | str,
+    *,
+    attempts_limit: int | None = None,
+    steps_limit: int | None = None,
+    children_limit: int | None = None,
+) -> TaskDetail | None:
     """Everything about one task, its attempts, steps and children (each oldest first), its
     wait and its parent; None if there is none. Run it in a ``REPEATABLE READ`` transaction
-    for one consistent snapshot: it reads with up to six statements."""
+    for one consistent snapshot: it reads with up to nine statements.
+
+    Each limit keeps only the newest attempts, steps or children (None: all of them), and the
+    ``*_omitted`` fields say how many older ones it left out: a long workflow (100,000 steps)
+    then costs a bounded read. A limit must be 1 to `LIST_LIMIT_MAX`: `ValidationError`
+    before any SQL otherwise.
+    """
     wanted = parse_task_id(task_id)
+    for field, limit in (
+        ("attempts_limit", attempts_limit), ("steps_limit", steps_limit),
+        ("children_limit", children_limit),
+    ):
+        if limit is not None:
+            check_int_range(field, limit, 1, LIST_LIMIT_MAX)
     tasks = Task.__table__
     row = connection.execute(select(tasks).where(tasks.c.id == wanted)).mappings().first()
     if row is None:
         return None
+    attempt_rows, attempts_omitted = newest(
+        connection,
+        select(
+            Attempt.attempt, Attempt.state, Attempt.worker_id, Attempt.started_at,
+            Attempt.finished_at, Attempt.error,
+        ).where(Attempt.task_id == wanted),
+        (Attempt.attempt,),
+        attempts_limit,
+    )
     attempts = tuple(
         AttemptInfo(
             attempt=a.attempt, state=a.state, worker_id=a.worker_id,
             started_at=a.started_at, finished_at=a.finished_at, error=a.error,
         )
-        for a in connection.execute(
-            select(
-                Attempt.attempt, Attempt.state, Attempt.worker_id, Attempt.started_at,
-                Attempt.finished_at, Attempt.error,
-            )
-            .where(Attempt.task_id == wanted)
-            .order_by(Attempt.attempt)
-        )
+        for a in attempt_rows
     )
     durable = durable_view(
-        connection, wanted, state=row["state"], run_at=row["run_at"], parent_id=row["parent_id"]
+        connection, wanted, state=row["state"], run_at=row["run_at"], parent_id=row["parent_id"],
+        steps_limit=steps_limit, children_limit=children_limit,
     )
     fields = {
         f.name: row[f.name] for f in dataclasses.fields(TaskDetail) if f.name not in _RELATED
@@ -214,6 +249,7 @@ def task_detail(connection: Connection, task_id: uuid.UUID | str) -> TaskDetail 
         wait=durable.wait,
         children=durable.children,
         parent=durable.parent,
+        attempts_omitted=attempts_omitted,
+        steps_omitted=durable.steps_omitted,
+        children_omitted=durable.children_omitted,
     )
-
-

@@ -69,7 +69,7 @@ T = TypeVar("T")
 
 #: Options `spawn` passes on to the child, as `enqueue` names them.
 _SPAWN_OPTIONS = frozenset(
-    {"queue", "version", "run_at", "delay", "priority", "max_attempts", "headers"}
+    {"queue", "version", "run_at", "delay", "priority", "max_attempts", "headers", "timeout"}
 )
 
 
@@ -305,7 +305,7 @@ class DurableAttempt:
             "child_name": row.name, "child_version": row.version,
             "child_payload": row.payload, "child_headers": row.headers,
             "child_priority": row.priority, "child_max_attempts": row.max_attempts,
-            "child_run_at": row.run_at, "child_delay": row.delay,
+            "child_run_at": row.run_at, "child_delay": row.delay, "child_timeout": row.timeout,
         }
         with translated_errors():
             spawned = (await self.calls.rows(self, SPAWN, params))[0]

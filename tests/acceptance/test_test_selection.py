@@ -44,6 +44,7 @@ def test_the_inner_loop_runs_unit_and_integration_tests_and_no_process_or_slow_t
     slow_functions = {f"tests/{t}" for t in SLOW_TESTS}
     for node in inner:
         assert not node.startswith(process_places), node
+        assert "test_browser" not in node, node  # every browser test uses Chromium
         assert not node.startswith(slow_places), node
         assert node.split("[")[0] not in slow_functions, node
     # Every listed slow test exists (a renamed test would silently join the inner loop).

@@ -20,7 +20,7 @@ from typing import Any, Final, NamedTuple
 
 import pytest
 import uvicorn
-from playwright.sync_api import Browser, Playwright, sync_playwright
+from playwright.sync_api import Browser, Page, Playwright, sync_playwright
 from sqlalchemy import Engine, create_engine, func, select
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
@@ -169,3 +169,13 @@ def browser(playwright_instance: Playwright) -> Iterator[Browser]:
     )
     yield browser
     browser.close()
+
+
+@pytest.fixture
+def page(browser: Browser) -> Iterator[Page]:
+    """A fresh browser context's page (its own cookies and storage), 15 s per step at most."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(15_000)
+    yield page
+    context.close()

@@ -5,10 +5,7 @@ token, a request without it is refused, and script in user data never runs.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
-from playwright.sync_api import Browser, Page, expect
+from playwright.sync_api import Page, expect
 from sqlalchemy import Engine, func, select
 
 from sqlalchemy_pgtask.audit import list_audit
@@ -16,15 +13,6 @@ from sqlalchemy_pgtask.models import Task
 from sqlalchemy_pgtask.status import task_summary
 from tests.dashboard.conftest import TOKEN, snapshot
 from tests.dashboard.seed import XSS_ERROR, XSS_PAYLOAD, Seeded
-
-
-@pytest.fixture
-def page(browser: Browser) -> Iterator[Page]:
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
-    page = context.new_page()
-    page.set_default_timeout(15_000)
-    yield page
-    context.close()
 
 
 def xss_ran(page: Page) -> object:

@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from sqlalchemy_pgtask import configure_queue, enqueue, pause_queue
+from sqlalchemy_pgtask import configure_queue, enqueue, pause_queue, set_schedule
 from sqlalchemy_pgtask.dashboard import create_app
 from tests.dashboard.conftest import TOKEN, Shared
 from tests.dashboard.seed import fail_task
@@ -121,10 +121,12 @@ def sets_session(answer: httpx2.Response) -> bool:
 @dataclass(frozen=True)
 class Targets:
     """What each action would change: a failed and a pending task; the queue ``emails``
-    (active) and ``reports`` (paused)."""
+    (active) and ``reports`` (paused); a pending task of queue ``default`` (for a bulk
+    cancel) and the schedule ``nightly``."""
 
     failed: uuid.UUID
     pending: uuid.UUID
+    spare: uuid.UUID
 
 
 @pytest.fixture
@@ -138,7 +140,10 @@ def targets(pgtask_engine: Engine) -> Targets:
         fail_task(connection, failed, {"type": "handler_error", "message": "smtp down"})
         pending = enqueue(connection, "reports.build", {"month": "2026-11"}, queue="reports").id
         pause_queue(connection, "reports", actor="alice", reason="month-end freeze")
-    return Targets(failed, pending)
+        spare = enqueue(connection, "orders.ship", {"order": 7}).id
+        set_schedule(connection, "nightly", task="reports.build", cron="0 3 * * *",
+                     queue="reports", actor="seed")
+    return Targets(failed, pending, spare)
 
 
 #: Every action, as the path of a request that would change something.
@@ -147,6 +152,15 @@ ACTIONS: Final[dict[str, Callable[[Targets], str]]] = {
     "cancel-a-pending-task": lambda s: f"/tasks/{s.pending}/cancel",
     "pause-a-queue": lambda s: "/queues/emails/pause",
     "resume-a-paused-queue": lambda s: "/queues/reports/resume",
+    "pause-a-schedule": lambda s: "/schedules/nightly/pause",
+    "confirm-a-bulk-cancel": lambda s: "/tasks/bulk/cancel",
+}
+#: The form fields an action needs besides the CSRF token (a confirmed bulk cancel of the
+#: queue ``default``, counted long ago).
+FIELDS: Final[dict[str, dict[str, str]]] = {
+    "confirm-a-bulk-cancel": {
+        "queue": "default", "confirm": "yes", "as_of": "9999-01-01T00:00:00+00:00",
+    },
 }
 
 
@@ -157,9 +171,10 @@ def test_the_refusal_tests_cover_every_post_route_of_the_dashboard() -> None:
     }
     assert posts == {
         "/login", "/logout", "/tasks/{task_id}/retry", "/tasks/{task_id}/cancel",
-        "/queues/{queue}/pause", "/queues/{queue}/resume",
+        "/queues/{queue}/pause", "/queues/{queue}/resume", "/schedules/{schedule}/{action}",
+        "/tasks/bulk/{action}",
     }
-    # The four that write are ACTIONS (login and logout are tested below).
+    # The six that write are ACTIONS (login and logout are tested below).
     assert len(ACTIONS) == len(posts) - 2
 
 
@@ -239,7 +254,8 @@ def test_an_action_without_authority_is_refused_with_403_and_writes_nothing(
     before = snapshot(pgtask_engine)
 
     answer = caller.client.post(
-        path, data={"csrf_token": csrf, "reason": "must not be written"}, headers=caller.headers
+        path, data={"csrf_token": csrf, "reason": "must not be written", **FIELDS.get(action, {})},
+        headers=caller.headers,
     )
 
     assert answer.status_code == 403
@@ -268,20 +284,24 @@ def test_the_snapshot_sees_what_each_allowed_action_writes(
 
     for action, path in ACTIONS.items():
         before = snapshot(pgtask_engine)
-        answer = client.post(path(targets), data={"csrf_token": csrf}, headers=bearer)
-        assert answer.status_code == 303, action
+        answer = client.post(path(targets), data={"csrf_token": csrf, **FIELDS.get(action, {})},
+                             headers=bearer)
+        assert answer.status_code == (200 if action in FIELDS else 303), action
         after = snapshot(pgtask_engine)
         assert len(after["audit_log"]) == len(before["audit_log"]) + 1, action
-        seen[action] = changed(before, after) & {"tasks", "queues"}
+        seen[action] = changed(before, after) & {"tasks", "queues", "schedules"}
 
     assert "tasks" in seen["retry-a-failed-task"]  # and the capacity counter of its queue
     assert "tasks" in seen["cancel-a-pending-task"]
     assert seen["pause-a-queue"] == seen["resume-a-paused-queue"] == {"queues"}
+    assert seen["pause-a-schedule"] == {"schedules"}
+    assert seen["confirm-a-bulk-cancel"] == {"tasks"}
     snap = snapshot(pgtask_engine)
     assert state(snap, targets.failed) == "pending"
     assert state(snap, targets.pending) == "cancelled"
     assert paused_at(snap, "emails") is not None
     assert paused_at(snap, "reports") is None
+    assert state(snap, targets.spare) == "cancelled"
 
 
 def test_a_session_cookie_replayed_on_a_dashboard_with_the_same_token_may_act(
@@ -390,7 +410,8 @@ def test_an_action_without_a_matching_csrf_token_is_refused_with_403_and_writes_
     post = NO_CSRF[way](client_for)
     before = snapshot(pgtask_engine)
 
-    answer = post.client.post(ACTIONS[action](targets), data=post.data, headers=post.headers)
+    data = {**post.data, **FIELDS.get(action, {})}
+    answer = post.client.post(ACTIONS[action](targets), data=data, headers=post.headers)
 
     assert answer.status_code == 403
     assert CSRF_REFUSED in answer.text

@@ -1,19 +1,19 @@
-"""What the levels' grants allowed beyond the library's own calls is refused (revision
-``pgtask_0014``), while the library's calls still work as each role.
+"""What the levels' grants allowed beyond the library's own calls is refused (revisions
+``pgtask_0014`` and ``pgtask_0015``), while the library's calls still work as each role.
 
 Each attack logs in as the role and writes plain SQL the role's column grants let through:
 
 * a producer extending, releasing or re-pointing an idempotency key (it holds UPDATE on the
   key columns to take over an expired reservation);
-* a worker deleting a task that has not finished (it holds DELETE on tasks for retention);
+* a worker deleting a task that has not finished, or finished within its queue's retention
+  (it holds DELETE on tasks for retention);
 * a worker rewriting a checkpoint (it holds UPDATE (value) for the first-value-wins upsert);
 * an administrator numbering or dating its own audit entry;
 * a producer in a REPEATABLE READ transaction naming a queue in ``pgtask.checked_queues``,
   which ``pgtask.queues_current()`` trusted as already checked against a newer limit.
 
-Two attacks still succeed, and their tests are strict expected failures until a revision after
-``pgtask_0014`` closes them: a producer reserving a key (raw INSERT) for no task or for
-another's, and the worker or admin deleting a task finished within its queue's retention.
+* a producer reserving a key by raw INSERT for no task or for another's task (it holds
+  INSERT on the key columns for its own enqueues).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError
 
 from sqlalchemy_pgtask import cancel, configure_queue, enqueue
@@ -94,6 +94,18 @@ def test_a_producer_cannot_extend_release_or_re_point_a_key(
         assert _key(pgtask_engine) == (taken.id, None)
 
 
+def _finished_past_retention(owner: Connection, task_id: uuid.UUID) -> None:
+    """Backdate a finished task past the default terminal retention (7 days): retention's
+    to delete, so the worker and admin levels may."""
+    owner.execute(
+        text(
+            "UPDATE pgtask.tasks SET completed_at = pgtask.now() - interval '8 days'"
+            " WHERE id = :id"
+        ),
+        {"id": task_id},
+    )
+
+
 def test_a_worker_cannot_delete_a_task_that_has_not_finished(
     pgtask_database_url: str, pgtask_engine: Engine
 ) -> None:
@@ -101,15 +113,7 @@ def test_a_worker_cannot_delete_a_task_that_has_not_finished(
         pending = enqueue(owner, "job").id
         done = enqueue(owner, "job").id
         assert cancel(owner, done) == "cancelled"
-        # Past the default terminal retention (7 days): retention's to delete, however the
-        # trigger judges a task finished more recently.
-        owner.execute(
-            text(
-                "UPDATE pgtask.tasks SET completed_at = pgtask.now() - interval '8 days'"
-                " WHERE id = :id"
-            ),
-            {"id": done},
-        )
+        _finished_past_retention(owner, done)
     with login_roles(pgtask_database_url) as roles:
         for role in (roles.worker, roles.admin):
             with role_engine(pgtask_database_url, role) as engine:
@@ -243,20 +247,6 @@ def test_the_record_of_checked_queues_is_not_the_producers_to_write_or_forge(
             connection.rollback()
 
 
-#: Gaps revision ``pgtask_0014`` left, which only a new revision can close (see docs/roles.md,
-#: "What each level can still do by plain SQL"). Strict: the revision that closes one makes
-#: its test pass, and the marker must then go.
-_NEEDS_A_REVISION = (
-    "needs a revision after pgtask_0014: a constraint trigger AFTER INSERT on"
-    " pgtask.idempotency_keys running pgtask.key_taken_task()"
-)
-_RETENTION_NEEDS_A_REVISION = (
-    "needs a revision after pgtask_0014: pgtask.task_delete_refused() and its trigger refusing"
-    " a finished task younger than its queue's terminal retention"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=_NEEDS_A_REVISION)
 def test_a_producer_cannot_reserve_a_key_for_no_task_or_for_another_task(
     pgtask_database_url: str, pgtask_engine: Engine
 ) -> None:
@@ -292,7 +282,6 @@ def test_a_producer_cannot_reserve_a_key_for_no_task_or_for_another_task(
     assert reserved == ["mine"]
 
 
-@pytest.mark.xfail(strict=True, reason=_RETENTION_NEEDS_A_REVISION)
 def test_retention_roles_cannot_delete_a_task_finished_within_its_retention(
     pgtask_database_url: str, pgtask_engine: Engine
 ) -> None:
@@ -301,13 +290,7 @@ def test_retention_roles_cannot_delete_a_task_finished_within_its_retention(
         assert cancel(owner, recent) == "cancelled"
         old = enqueue(owner, "job").id
         assert cancel(owner, old) == "cancelled"
-        owner.execute(
-            text(
-                "UPDATE pgtask.tasks SET completed_at = pgtask.now() - interval '8 days'"
-                " WHERE id = :id"
-            ),
-            {"id": old},
-        )
+        _finished_past_retention(owner, old)
     with login_roles(pgtask_database_url) as roles:
         for role in (roles.worker, roles.admin):
             with role_engine(pgtask_database_url, role) as engine:

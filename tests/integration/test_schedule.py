@@ -113,8 +113,9 @@ def test_latest_creates_one_task_for_the_most_recent_missed_occurrence(
     with Session(pgtask_engine) as session:
         task = session.execute(select(Task)).scalar_one()
         info = get_schedule(session, "every-minute")
+    occurrence = {"name": "every-minute", "scheduled_for": "2030-06-03T10:05:00.000000+00:00"}
     assert (task.name, task.queue, task.payload, task.headers) == (
-        "job", "default", {"k": "v"}, {"trace": "x"}
+        "job", "default", {"k": "v"}, {"trace": "x", "pgtask.schedule": occurrence}
     )
     assert (task.max_attempts, task.timeout_seconds) == (2, 30.0)
     assert task.run_at.astimezone(UTC) >= minute(10, 5, 3) + timedelta(seconds=30)

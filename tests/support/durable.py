@@ -248,7 +248,7 @@ def spawn(
         "child_name": row.name, "child_version": row.version, "child_payload": row.payload,
         "child_headers": row.headers, "child_priority": row.priority,
         "child_max_attempts": row.max_attempts, "child_run_at": row.run_at,
-        "child_delay": row.delay,
+        "child_delay": row.delay, "child_timeout": row.timeout,
     }
     return conn.execute(st.SPAWN, bound).one()
 
