@@ -14,7 +14,7 @@ from typing import Any, Final
 import psycopg
 from sqlalchemy import Engine, create_engine, make_url
 from sqlalchemy.engine import URL
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -59,6 +59,16 @@ _STATUS: Final[tuple[tuple[type[PgTaskError], int], ...]] = (
 )
 
 
+#: Database errors a page or action may meet on purpose: the status and what the page says.
+_DATABASE: Final[tuple[tuple[type[Exception], int, str], ...]] = (
+    (psycopg.errors.QueryCanceled, 503,
+     "The page's query ran longer than 10 s and was cancelled: narrow the filters "
+     "(a queue, a time range)."),
+    (psycopg.errors.InsufficientPrivilege, 403,
+     "The dashboard's database role lacks a privilege this action needs (see docs/roles.md: "
+     "actions need the admin level): nothing was changed."),
+)
+
 
 def _session_seconds(value: object) -> int:
     if isinstance(value, timedelta):
@@ -90,14 +100,11 @@ def _wrap(
             response: Response = await endpoint(dashboard, request)
         except NotFound as exc:
             return dashboard.error(request, 404, str(exc))
-        except OperationalError as exc:
-            if not isinstance(exc.orig, psycopg.errors.QueryCanceled):
-                raise
-            return dashboard.error(
-                request, 503,
-                "The page's query ran longer than 10 s and was cancelled: narrow the filters "
-                "(a queue, a time range).",
-            )
+        except DBAPIError as exc:
+            for cause, code, message in _DATABASE:
+                if isinstance(exc.orig, cause):
+                    return dashboard.error(request, code, message)
+            raise
         except PgTaskError as exc:
             for kind, code in _STATUS:
                 if isinstance(exc, kind):

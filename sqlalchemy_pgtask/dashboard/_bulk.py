@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sqlalchemy_pgtask.admin import retry as retry_task
+from sqlalchemy_pgtask.audit import check_reason
 from sqlalchemy_pgtask.client import cancel as cancel_task
 from sqlalchemy_pgtask.dashboard._base import Dashboard, NotFound
 from sqlalchemy_pgtask.dashboard._pages import parse_instant
@@ -185,7 +186,7 @@ async def bulk(dashboard: Dashboard, request: Request) -> Response:
         "counts": None, "count": 0, "as_of": None, "too_many": False,
     }
     if confirmed:
-        reason = _text(form, "reason")
+        reason = check_reason(_text(form, "reason"))  # before any lock is taken
         counts = await dashboard.write(
             lambda connection: _apply(connection, action, conditions, actor, reason)
         )

@@ -171,6 +171,23 @@ def test_session_max_age_sets_how_long_a_login_lasts_and_a_bad_one_is_a_usage_er
     assert "Traceback" not in refused.stderr
 
 
+def test_live_interval_sets_how_often_pages_refresh_and_zero_turns_it_off(
+    dashboards: Callable[..., DashboardProcess], seeded: Database
+) -> None:
+    dashboard = dashboards(seeded.url, "--live-interval", "2")
+    with client_of(dashboard) as visitor:
+        page = visitor.get("/")
+        fragment = visitor.get("/", headers={"X-Pgtask-Fragment": "live"})
+    assert 'data-live-interval="2.0"' in page.text
+    assert "static/live.js" in page.text
+    assert fragment.headers["x-pgtask-fragment"] == "live"
+    assert "<html" not in fragment.text
+
+    off = dashboards(seeded.url, "--live-interval", "0")
+    with client_of(off) as visitor:
+        assert "live.js" not in visitor.get("/").text
+
+
 def wrong_logins(operator: httpx2.Client, count: int, forwarded_for: str | None) -> list[int]:
     """The status of ``count`` logins with a wrong token, each naming ``forwarded_for`` (or,
     None, its own address) in ``X-Forwarded-For``: 403 while counted, 429 once throttled."""

@@ -15,10 +15,12 @@ from starlette.testclient import TestClient
 
 from sqlalchemy_pgtask import EnqueueRequest, configure_queue, enqueue, enqueue_many
 from sqlalchemy_pgtask.audit import list_audit
+from sqlalchemy_pgtask.dashboard import create_app
 from sqlalchemy_pgtask.models import Task
 from tests.dashboard.conftest import TOKEN, snapshot
 from tests.dashboard.seed import Seeded, fail_task
 from tests.dashboard.test_actions import csrf, log_in, state_of
+from tests.support.roles import login_roles, role_engine
 
 AS_OF = re.compile(r'name="as_of" value="([^"]+)"')
 
@@ -154,6 +156,8 @@ def test_bulk_actions_need_the_admin_and_the_csrf_token_and_a_known_filter(
     unknown = _post(admin, "retry", state="failed", priority="5")
     no_such = _post(admin, "delete", state="failed")
     bad_state = _post(admin, "retry", state="exploded")
+    long_reason = _post(admin, "retry", state="failed", confirm="yes",
+                        as_of="9999-01-01T00:00:00+00:00", reason="x" * 1001)
 
     assert anonymous.status_code == 403
     assert "needs the admin token" in anonymous.text
@@ -163,6 +167,7 @@ def test_bulk_actions_need_the_admin_and_the_csrf_token_and_a_known_filter(
     assert "not a filter bulk actions know" in unknown.text
     assert no_such.status_code == 404
     assert bad_state.status_code == 400
+    assert long_reason.status_code == 400
     assert snapshot(pgtask_engine) == before
 
 
@@ -258,3 +263,24 @@ def test_a_payload_filter_narrows_the_selection(
         payload = connection.scalar(select(Task.payload).where(Task.id == entry.task_id))
     assert payload == {"to": "user7@example.com", "kind": "welcome"}
     assert bad.status_code == 400
+
+
+def test_bulk_actions_work_on_the_admin_level_of_pgtask_grants(
+    pgtask_database_url: str, pgtask_engine: Engine, seeded: Seeded
+) -> None:
+    """The selection's row locks and each retry and cancel need no more than the admin
+    level's grants (docs/roles.md)."""
+    failed = _fail_emails(pgtask_engine, 2)
+    with login_roles(pgtask_database_url) as roles, \
+            role_engine(pgtask_database_url, roles.admin) as admin, \
+            TestClient(create_app(admin, admin_token=TOKEN), follow_redirects=False) as client:
+        log_in(client, "carol")
+        retry_first = _post(client, "retry", state="failed", queue="emails")
+        retried = _confirm(client, "retry", retry_first, state="failed", queue="emails")
+        cancel_first = _post(client, "cancel", queue="reports")
+        cancelled = _confirm(client, "cancel", cancel_first, queue="reports")
+
+    assert "3 tasks retried" in retried.text
+    assert "1 task cancelled" in cancelled.text
+    assert {state_of(pgtask_engine, t) for t in [*failed, seeded.failed]} == {"pending"}
+    assert state_of(pgtask_engine, seeded.pending) == "cancelled"

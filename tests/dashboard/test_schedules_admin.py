@@ -170,3 +170,23 @@ def test_run_now_on_a_role_that_may_not_enqueue_is_a_403_with_the_reason(
         entries = list_audit(connection, schedule="nightly-report", limit=10)
     assert [e.action for e in entries] == ["schedule.pause", "schedule.set"]
     assert snapshot(pgtask_engine)[1] == before[1]  # no task was added
+
+
+def test_an_action_on_a_read_only_role_is_a_403_that_names_the_missing_privilege(
+    pgtask_database_url: str, pgtask_engine: Engine, seeded: Seeded
+) -> None:
+    """A dashboard given the observer level and a token: its actions are refused by the
+    database, and the operator is told why rather than shown a server error."""
+    before = snapshot(pgtask_engine)
+    with login_roles(pgtask_database_url) as roles, \
+            role_engine(pgtask_database_url, roles.observer) as observer, \
+            TestClient(create_app(observer, admin_token=TOKEN), follow_redirects=False) as client:
+        log_in(client, "carol")
+        paused = client.post("/schedules/nightly-report/pause",
+                             data={"csrf_token": csrf(client, "/schedules")})
+        retried = client.post(f"/tasks/{seeded.failed}/retry", data={"csrf_token": csrf(client)})
+
+    assert paused.status_code == retried.status_code == 403
+    assert "lacks a privilege this action needs" in paused.text
+    assert "lacks a privilege this action needs" in retried.text
+    assert snapshot(pgtask_engine) == before

@@ -21,6 +21,7 @@ from sqlalchemy_pgtask import (
     run_schedule_now_async,
     set_schedule,
 )
+from sqlalchemy_pgtask._defaults import SCHEDULE_HEADER
 from sqlalchemy_pgtask.audit import list_audit
 from sqlalchemy_pgtask.models import AuditEntry, Task
 from sqlalchemy_pgtask.schedule import ScheduleNotFound
@@ -67,7 +68,14 @@ def test_run_now_enqueues_the_template_now_and_audits_it_without_moving_the_curs
         [entry] = list_audit(connection, schedule="nightly", limit=1)
     assert (task.name, task.queue, task.state, task.priority) == ("report", "reports",
                                                                  "pending", 3)
-    assert (task.payload, task.headers) == ({"kind": "daily"}, {"team": "ops"})
+    # The template's headers, plus the occurrence a handler reads as ctx.scheduled_for.
+    occurrence = {
+        "name": "nightly",
+        "scheduled_for": task.scheduled_for.astimezone(timezone.utc).isoformat(),
+    }
+    assert (task.payload, task.headers) == (
+        {"kind": "daily"}, {"team": "ops", SCHEDULE_HEADER: occurrence}
+    )
     assert (task.max_attempts, task.timeout_seconds) == (4, 60)
     assert task.schedule_name == "nightly"
     assert before <= task.scheduled_for == task.run_at <= after  # database time, moved
