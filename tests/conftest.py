@@ -63,6 +63,7 @@ SLOW_TESTS: Final = (
     "integration/test_outcome_writer_faults.py::test_an_outcome_always_past_statement_timeout_is_given_up_and_its_task_recovered",
     "integration/test_outcome_writer_faults.py::test_an_outcome_whose_waiting_parent_stays_locked_is_given_up_within_a_lease",
     "integration/test_prefetch.py::test_a_queue_that_becomes_governed_is_never_claimed_ahead",
+    "integration/test_prefetch.py::test_a_task_claimed_ahead_that_waits_too_long_is_handed_back_unspent",
     "integration/test_rate_limits.py::test_claimers_serving_governed_queues_in_opposite_orders_never_deadlock",
     "integration/test_retention.py::test_a_worker_drains_while_a_retention_batch_is_held_open",
     "integration/test_retention_families.py::test_a_history_row_held_by_another_transaction_holds_up_no_other_deletion",
