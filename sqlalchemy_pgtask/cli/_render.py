@@ -53,7 +53,7 @@ _INDENT: Final = "  "
 _ERROR_KEYS: Final = frozenset({"type", "exception", "message", "traceback"})
 #: `TaskDetail` fields shown as sections of their own, not as the task's fields.
 _RELATED: Final = (
-    "attempts", "steps", "wait", "children", "parent",
+    "attempts", "steps", "wait", "children", "parent", "concurrency_holders",
     # Always 0 here: the command reads every attempt, step and child.
     "attempts_omitted", "steps_omitted", "children_omitted",
 )
@@ -264,6 +264,12 @@ def _durable_sections(task: TaskDetail) -> list[str]:
     return out
 
 
+def _key(task: TaskDetail) -> str | None:
+    holders = ", ".join(map(str, task.concurrency_holders)) or "nobody"
+    limit = task.concurrency_limit or "the handler's"
+    return task.concurrency_key and f"{task.concurrency_key!r} (limit {limit}; held by {holders})"
+
+
 def task_detail_lines(task: TaskDetail) -> list[str]:
     """``pgtask task show``: the task's fields (its wait and parent among them), its
     documents, its error, then its children, its steps and each attempt."""
@@ -275,6 +281,7 @@ def task_detail_lines(task: TaskDetail) -> list[str]:
         ("max_attempts", task.max_attempts or "the handler's (set at the first claim)"),
         ("retry", _retry(task)),
         ("idempotency_key", task.idempotency_key), ("parent", _parent(task)),
+        ("concurrency_key", _key(task)),
         ("lease_owner", task.lease_owner), ("lease_expires_at", task.lease_expires_at),
         ("cancel_requested_at", task.cancel_requested_at), ("created_at", task.created_at),
         ("updated_at", task.updated_at), ("completed_at", task.completed_at),
@@ -312,7 +319,7 @@ def task_detail_json(task: TaskDetail) -> str:
         f.name: getattr(task, f.name) for f in dataclasses.fields(task) if f.name not in _RELATED
     }
     document = {
-        "task": fields,
+        "task": {**fields, "concurrency_holders": list(task.concurrency_holders)},
         "attempts": [dataclasses.asdict(attempt) for attempt in task.attempts],
         "steps": [dataclasses.asdict(step) for step in task.steps],
         "wait": None if task.wait is None else dataclasses.asdict(task.wait),
