@@ -51,12 +51,10 @@ __all__ = [
 _INDENT: Final = "  "
 #: Error-document keys rendered by `_error_lines` itself; the rest are listed after them.
 _ERROR_KEYS: Final = frozenset({"type", "exception", "message", "traceback"})
-#: `TaskDetail` fields shown as sections of their own, not as the task's fields.
-_RELATED: Final = (
-    "attempts", "steps", "wait", "children", "parent", "concurrency_holders",
-    # Always 0 here: the command reads every attempt, step and child.
-    "attempts_omitted", "steps_omitted", "children_omitted",
-)
+#: `TaskDetail` fields shown as sections of their own, not as the task's fields (the
+#: ``*_omitted`` counts, always 0 here: the command reads every attempt, step and child).
+_RELATED: Final = ("attempts", "steps", "wait", "children", "parent", "concurrency_holders",
+                   "attempts_omitted", "steps_omitted", "children_omitted")
 #: A step's value longer than this (as JSON) is cut in the text output; ``--json`` has it all.
 _STEP_VALUE_WIDTH: Final = 120
 
@@ -279,9 +277,8 @@ def task_detail_lines(task: TaskDetail) -> list[str]:
         ("run_at", task.run_at), ("attempt", task.attempt),
         ("failed_attempts", task.failed_attempts),
         ("max_attempts", task.max_attempts or "the handler's (set at the first claim)"),
-        ("retry", _retry(task)),
-        ("idempotency_key", task.idempotency_key), ("parent", _parent(task)),
-        ("concurrency_key", _key(task)),
+        ("retry", _retry(task)), ("idempotency_key", task.idempotency_key),
+        ("parent", _parent(task)), ("concurrency_key", _key(task)),
         ("lease_owner", task.lease_owner), ("lease_expires_at", task.lease_expires_at),
         ("cancel_requested_at", task.cancel_requested_at), ("created_at", task.created_at),
         ("updated_at", task.updated_at), ("completed_at", task.completed_at),
