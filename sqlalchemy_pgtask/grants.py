@@ -15,7 +15,8 @@ The four levels, each the privileges of the library calls that level makes and n
   schedules, runs retention, reads what the observer reads; appends to the audit log (which
   nobody can change: its trigger refuses UPDATE, DELETE and TRUNCATE).
 
-Every level gets USAGE on schema ``pgtask`` and EXECUTE on ``pgtask.now()``. What PUBLIC would
+Every level gets USAGE on schema ``pgtask`` and EXECUTE on ``pgtask.now()`` (the worker also
+on ``pgtask.concurrency_admits(uuid)``, which its claim calls). What PUBLIC would
 otherwise have on the schema, its tables, sequences and functions is revoked first: PostgreSQL
 lets PUBLIC execute every new function, the ``SECURITY DEFINER`` trigger helpers included.
 Triggers write the tables nobody is granted (``capacity_releases``, the capacity counter,
@@ -25,8 +26,8 @@ sequence: identity columns draw their values without one.
 
 Grants are additive. Never give one role two levels: it would hold the union. To take a level
 away, ``REVOKE ALL ON ALL TABLES IN SCHEMA pgtask FROM role`` (and the schema's USAGE, and
-EXECUTE on ``pgtask.now()``), then grant the level it keeps. Run this as the schema's owner
-(the role that ran the migrations).
+EXECUTE on all functions in the schema), then grant the level it keeps. Run this as the
+schema's owner (the role that ran the migrations).
 """
 
 from __future__ import annotations
@@ -49,7 +50,10 @@ from sqlalchemy_pgtask._connection import (
 )
 from sqlalchemy_pgtask.errors import InvalidNameError, InvalidOptionError
 
-__all__ = ["LEVELS", "PRIVILEGES", "TableGrant", "grant_roles", "grant_roles_async", "grants_sql"]
+__all__ = [
+    "FUNCTIONS", "LEVELS", "PRIVILEGES", "TableGrant", "grant_roles", "grant_roles_async",
+    "grants_sql",
+]
 
 SCHEMA: Final = "pgtask"
 
@@ -80,7 +84,7 @@ def _columns(privilege: str, table: str, columns: str) -> TableGrant:
 #: What an enqueue writes (`statements.ENQUEUE_*`): never a state, lease, result or parent.
 _ENQUEUED: Final = (
     "id queue name version payload headers priority max_attempts run_at timeout_seconds"
-    " idempotency_key"
+    " idempotency_key concurrency_key concurrency_limit"
 )
 
 #: The tables every read model reads (status, task detail, queue list, schedules, audit, and
@@ -124,14 +128,14 @@ PRIVILEGES: Final[Mapping[str, tuple[TableGrant, ...]]] = {
         _columns(
             "INSERT", "tasks",
             "id queue name version payload headers priority max_attempts run_at timeout_seconds"
-            " parent_id schedule_name scheduled_for",
+            " parent_id schedule_name scheduled_for concurrency_key concurrency_limit",
         ),
         _columns(
             "UPDATE", "tasks",
             "state run_at attempt failed_attempts max_attempts lease_token lease_owner"
             " lease_expires_at cancel_requested_at result error completed_at updated_at"
             " has_children retry_kind retry_base_seconds retry_factor retry_max_seconds"
-            " retry_jitter",
+            " retry_jitter concurrency_held",
         ),
         # Retention; ``tasks_delete_retained`` (pgtask_0015) refuses a task not finished, or
         # finished within its queue's terminal retention.
@@ -159,7 +163,7 @@ PRIVILEGES: Final[Mapping[str, tuple[TableGrant, ...]]] = {
             "UPDATE", "schedules",
             "cron interval_seconds timezone misfire catch_up_limit overlap queue task_name"
             " version payload headers priority max_attempts timeout_seconds declared"
-            " next_run_at last_task_id last_error updated_at",
+            " next_run_at last_task_id last_error updated_at concurrency_key concurrency_limit",
         ),
     ),
     "observer": tuple(TableGrant("SELECT", table) for table in _READ),
@@ -193,6 +197,12 @@ PRIVILEGES: Final[Mapping[str, tuple[TableGrant, ...]]] = {
         # be backdated or slipped in before another (OVERRIDING SYSTEM VALUE).
         _columns("INSERT", "audit_log", "actor action task_id queue schedule reason details"),
     ),
+}
+
+#: The functions a level calls besides ``pgtask.now()``: the claim asks whether a keyed task
+#: may take its concurrency key (revision pgtask_0016).
+FUNCTIONS: Final[Mapping[str, tuple[str, ...]]] = {
+    "worker": ("concurrency_admits(uuid)",),
 }
 
 #: Revoked from PUBLIC before anything is granted: nothing in the schema is anyone's by default.
@@ -262,6 +272,10 @@ def _statements(roles: Mapping[str, str]) -> list[str]:
         role = _quoted(name)
         statements.append(f"GRANT USAGE ON SCHEMA {SCHEMA} TO {role}")
         statements.append(f"GRANT EXECUTE ON FUNCTION {SCHEMA}.now() TO {role}")
+        statements.extend(
+            f"GRANT EXECUTE ON FUNCTION {SCHEMA}.{function} TO {role}"
+            for function in FUNCTIONS.get(level, ())
+        )
         statements.extend(_grant(grant, role) for grant in PRIVILEGES[level])
     return statements
 

@@ -37,6 +37,7 @@ from sqlalchemy_pgtask.retry import RetryPolicy
 from sqlalchemy_pgtask.schedule.spec import ScheduleSpec, schedule_spec
 from sqlalchemy_pgtask.validation import (
     INT4_MAX,
+    check_concurrency_scope,
     check_int_range,
     check_queue_name,
     check_task_name,
@@ -88,6 +89,12 @@ class TaskDefinition(Generic[PayloadT, ResultT]):
     #: Seconds an attempt may run before it is stopped and fails with kind ``timeout``
     #: (retried by policy); None: no limit. A task enqueued with its own ``timeout`` uses that.
     timeout: float | None = None
+    #: Tasks of one concurrency key that may hold it at once, unless a task was enqueued
+    #: with its own limit; None: 1. Frozen with ``retry`` per (queue, name, version).
+    concurrency_limit: int | None = None
+    #: ``workflow``: a durable suspension (sleep, signal or child wait) keeps the key;
+    #: ``running``: only a running attempt holds it. Frozen with ``retry``.
+    concurrency_scope: str = "workflow"
     is_async: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -113,6 +120,8 @@ class TaskDefinition(Generic[PayloadT, ResultT]):
         idempotency_key: str | None = None,
         headers: Mapping[str, Any] | None = None,
         timeout: float | timedelta | None = None,
+        concurrency_key: str | None = None,
+        concurrency_limit: int | None = None,
     ) -> EnqueueRequest:
         """An `EnqueueRequest` for this handler, for `enqueue_many`."""
         return EnqueueRequest(
@@ -120,6 +129,7 @@ class TaskDefinition(Generic[PayloadT, ResultT]):
             run_at=run_at, delay=delay, priority=priority,
             max_attempts=self.max_attempts if max_attempts is None else max_attempts,
             idempotency_key=idempotency_key, headers=headers, timeout=timeout,
+            concurrency_key=concurrency_key, concurrency_limit=concurrency_limit,
         )
 
     def enqueue(
@@ -134,6 +144,8 @@ class TaskDefinition(Generic[PayloadT, ResultT]):
         idempotency_key: str | None = None,
         headers: Mapping[str, Any] | None = None,
         timeout: float | timedelta | None = None,
+        concurrency_key: str | None = None,
+        concurrency_limit: int | None = None,
     ) -> EnqueueResult:
         """Add a task for this handler in ``bind``'s transaction (see `enqueue`)."""
         return enqueue(
@@ -141,6 +153,7 @@ class TaskDefinition(Generic[PayloadT, ResultT]):
             delay=delay, priority=priority,
             max_attempts=self.max_attempts if max_attempts is None else max_attempts,
             idempotency_key=idempotency_key, headers=headers, timeout=timeout,
+            concurrency_key=concurrency_key, concurrency_limit=concurrency_limit,
         )
 
     async def enqueue_async(
@@ -155,6 +168,8 @@ class TaskDefinition(Generic[PayloadT, ResultT]):
         idempotency_key: str | None = None,
         headers: Mapping[str, Any] | None = None,
         timeout: float | timedelta | None = None,
+        concurrency_key: str | None = None,
+        concurrency_limit: int | None = None,
     ) -> EnqueueResult:
         """`enqueue` for an `AsyncSession` or `AsyncConnection`."""
         return await enqueue_async(
@@ -162,6 +177,7 @@ class TaskDefinition(Generic[PayloadT, ResultT]):
             delay=delay, priority=priority,
             max_attempts=self.max_attempts if max_attempts is None else max_attempts,
             idempotency_key=idempotency_key, headers=headers, timeout=timeout,
+            concurrency_key=concurrency_key, concurrency_limit=concurrency_limit,
         )
 
 
@@ -175,6 +191,12 @@ class DeclaredSchedule:
     @property
     def name(self) -> str:
         return self.spec.name
+
+
+def _check_concurrency_policy(limit: object, scope: object) -> None:
+    if limit is not None:
+        check_int_range("concurrency_limit", limit, 1, INT4_MAX)
+    check_concurrency_scope(scope)
 
 
 DefinitionT = TypeVar("DefinitionT", bound=TaskDefinition[Any, Any])
@@ -197,6 +219,8 @@ class Registry:
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         non_retryable: tuple[type[BaseException], ...] = (),
         timeout: float | timedelta | None = None,
+        concurrency_limit: int | None = None,
+        concurrency_scope: str = "workflow",
     ) -> HandlerDecorator:
         """Register the decorated ``(ctx, payload)`` function, ``async def`` or plain ``def``.
 
@@ -209,15 +233,21 @@ class Registry:
             was enqueued with its own: past it, an ``async def`` handler is cancelled, a
             ``def`` handler's late result is discarded, and the attempt fails with kind
             ``timeout`` (retried by policy). Measured in database time from the claim.
+        :param concurrency_limit: how many tasks of one ``concurrency_key`` may hold it at
+            once (default 1), unless a task was enqueued with its own; frozen with ``retry``.
+        :param concurrency_scope: ``"workflow"`` (a durable suspension keeps the key) or
+            ``"running"`` (only a running attempt holds it); frozen with ``retry``.
         """
 
         time_limit = check_time_limit("timeout", timeout)
+        _check_concurrency_policy(concurrency_limit, concurrency_scope)
 
         def register(handler: Callable[[Any, Any], Any]) -> TaskDefinition[Any, Any]:
             definition: TaskDefinition[Any, Any] = TaskDefinition(
                 name=name, version=version, queue=queue, retry=retry,
                 max_attempts=max_attempts, handler=handler, non_retryable=non_retryable,
-                timeout=time_limit,
+                timeout=time_limit, concurrency_limit=concurrency_limit,
+                concurrency_scope=concurrency_scope,
             )
             self.add(definition)
             return definition
@@ -231,6 +261,7 @@ class Registry:
         check_int_range("version", definition.version, 1, INT4_MAX)
         check_int_range("max_attempts", definition.max_attempts, 1, INT4_MAX)
         check_time_limit("timeout", definition.timeout)
+        _check_concurrency_policy(definition.concurrency_limit, definition.concurrency_scope)
         if not isinstance(definition.retry, RetryPolicy):
             raise InvalidOptionError("retry", "must be a RetryPolicy")
         if not callable(definition.handler):
@@ -270,6 +301,8 @@ class Registry:
         catch_up_limit: int | None = None,
         overlap: str = "allow",
         start_at: datetime | None = None,
+        concurrency_key: str | None = None,
+        concurrency_limit: int | None = None,
     ) -> Callable[[DefinitionT], DefinitionT]:
         """Declare a recurring schedule of the decorated definition; stack it above
         ``@registry.task(...)``. The options mean what `set_schedule`'s mean.
@@ -283,7 +316,8 @@ class Registry:
                 name, definition, cron=cron, every=every, timezone=timezone, payload=payload,
                 headers=headers, priority=priority, max_attempts=max_attempts,
                 timeout=timeout, misfire=misfire, catch_up_limit=catch_up_limit,
-                overlap=overlap, start_at=start_at,
+                overlap=overlap, start_at=start_at, concurrency_key=concurrency_key,
+                concurrency_limit=concurrency_limit,
             )
             return definition
 

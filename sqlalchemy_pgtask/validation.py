@@ -26,6 +26,8 @@ from sqlalchemy_pgtask.errors import InvalidNameError, InvalidOptionError, Paylo
 
 __all__ = [
     "CHECKPOINT_MAX_BYTES",
+    "CONCURRENCY_KEY_MAX_BYTES",
+    "CONCURRENCY_SCOPES",
     "DURATION_MAX_SECONDS",
     "ERROR_MAX_BYTES",
     "HEADERS_MAX_BYTES",
@@ -37,6 +39,9 @@ __all__ = [
     "SIGNAL_MAX_BYTES",
     "STEP_NAME_MAX_BYTES",
     "TASK_NAME_MAX_BYTES",
+    "check_concurrency",
+    "check_concurrency_key",
+    "check_concurrency_scope",
     "check_delay",
     "check_free_text",
     "check_idempotency_key",
@@ -66,6 +71,10 @@ ERROR_MAX_BYTES: Final = 256 * 1024
 CHECKPOINT_MAX_BYTES: Final = 1024 * 1024
 SIGNAL_MAX_BYTES: Final = 1024 * 1024
 STEP_NAME_MAX_BYTES: Final = 255
+CONCURRENCY_KEY_MAX_BYTES: Final = 512
+#: What a definition's concurrency key is held through: its whole workflow (durable
+#: suspensions included), or only while an attempt runs.
+CONCURRENCY_SCOPES: Final = ("workflow", "running")
 
 #: PostgreSQL ``integer`` and ``smallint`` bounds, so an out-of-range option is our error and
 #: not a driver overflow in the middle of the caller's transaction.
@@ -139,6 +148,34 @@ def check_idempotency_key(value: object, field: str = "idempotency_key") -> str:
 def check_step_name(value: object, field: str = "step") -> str:
     """Step names are free text (``f"charge-{order_id}"``) but bounded, like keys."""
     return check_free_text(field, value, STEP_NAME_MAX_BYTES)
+
+
+def check_concurrency_key(value: object, field: str = "concurrency_key") -> str:
+    """Concurrency keys are free text (``f"customer-{id}"``), bounded like idempotency keys."""
+    return check_free_text(field, value, CONCURRENCY_KEY_MAX_BYTES)
+
+
+def check_concurrency(
+    key: object, limit: object, prefix: str = ""
+) -> tuple[str | None, int | None]:
+    """A task's (or a schedule's) key and limit: a limit needs a key."""
+    checked_key = None if key is None else check_concurrency_key(key, f"{prefix}concurrency_key")
+    if limit is None:
+        return checked_key, None
+    checked = check_int_range(f"{prefix}concurrency_limit", limit, 1, INT4_MAX)
+    if checked_key is None:
+        raise InvalidOptionError(
+            f"{prefix}concurrency_limit", "needs a concurrency_key: a limit applies per key"
+        )
+    return checked_key, checked
+
+
+def check_concurrency_scope(value: object, field: str = "concurrency_scope") -> str:
+    if not isinstance(value, str) or value not in CONCURRENCY_SCOPES:
+        raise InvalidOptionError(
+            field, f"must be one of {', '.join(map(repr, CONCURRENCY_SCOPES))}, got {value!r}"
+        )
+    return value
 
 
 def check_free_text(field: str, value: object, max_bytes: int) -> str:

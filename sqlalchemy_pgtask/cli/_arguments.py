@@ -165,6 +165,7 @@ def _add_task(commands: Any) -> None:
     listing.add_argument("--state", choices=TASK_STATES, help="only tasks in this state")
     listing.add_argument("--queue", metavar="QUEUE", help="only tasks of this queue")
     listing.add_argument("--name", metavar="NAME", help="only tasks with this task name")
+    listing.add_argument("--key", metavar="KEY", help="only tasks with this concurrency key")
     listing.add_argument(
         "--limit", type=_int_between(1, LIST_LIMIT_MAX), default=50, metavar="N",
         help="at most N tasks (default: %(default)s)",

@@ -136,6 +136,7 @@ def show_status(args: argparse.Namespace) -> int:
 def task_list(args: argparse.Namespace) -> int:
     filters: dict[str, Any] = {
         "state": args.state, "queue": args.queue, "name": args.name, "limit": args.limit,
+        "key": args.key,
     }
     status.check_list_filters(**filters)  # before connecting: a usage error needs no database
     before = None if args.before is None else status.parse_task_id(args.before)

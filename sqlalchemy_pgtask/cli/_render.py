@@ -51,12 +51,10 @@ __all__ = [
 _INDENT: Final = "  "
 #: Error-document keys rendered by `_error_lines` itself; the rest are listed after them.
 _ERROR_KEYS: Final = frozenset({"type", "exception", "message", "traceback"})
-#: `TaskDetail` fields shown as sections of their own, not as the task's fields.
-_RELATED: Final = (
-    "attempts", "steps", "wait", "children", "parent",
-    # Always 0 here: the command reads every attempt, step and child.
-    "attempts_omitted", "steps_omitted", "children_omitted",
-)
+#: `TaskDetail` fields shown as sections of their own, not as the task's fields (the
+#: ``*_omitted`` counts, always 0 here: the command reads every attempt, step and child).
+_RELATED: Final = ("attempts", "steps", "wait", "children", "parent", "concurrency_holders",
+                   "attempts_omitted", "steps_omitted", "children_omitted")
 #: A step's value longer than this (as JSON) is cut in the text output; ``--json`` has it all.
 _STEP_VALUE_WIDTH: Final = 120
 
@@ -264,6 +262,12 @@ def _durable_sections(task: TaskDetail) -> list[str]:
     return out
 
 
+def _key(task: TaskDetail) -> str | None:
+    holders = ", ".join(map(str, task.concurrency_holders)) or "nobody"
+    limit = task.concurrency_limit or "the handler's"
+    return task.concurrency_key and f"{task.concurrency_key!r} (limit {limit}; held by {holders})"
+
+
 def task_detail_lines(task: TaskDetail) -> list[str]:
     """``pgtask task show``: the task's fields (its wait and parent among them), its
     documents, its error, then its children, its steps and each attempt."""
@@ -273,8 +277,8 @@ def task_detail_lines(task: TaskDetail) -> list[str]:
         ("run_at", task.run_at), ("attempt", task.attempt),
         ("failed_attempts", task.failed_attempts),
         ("max_attempts", task.max_attempts or "the handler's (set at the first claim)"),
-        ("retry", _retry(task)),
-        ("idempotency_key", task.idempotency_key), ("parent", _parent(task)),
+        ("retry", _retry(task)), ("idempotency_key", task.idempotency_key),
+        ("parent", _parent(task)), ("concurrency_key", _key(task)),
         ("lease_owner", task.lease_owner), ("lease_expires_at", task.lease_expires_at),
         ("cancel_requested_at", task.cancel_requested_at), ("created_at", task.created_at),
         ("updated_at", task.updated_at), ("completed_at", task.completed_at),
@@ -312,7 +316,7 @@ def task_detail_json(task: TaskDetail) -> str:
         f.name: getattr(task, f.name) for f in dataclasses.fields(task) if f.name not in _RELATED
     }
     document = {
-        "task": fields,
+        "task": {**fields, "concurrency_holders": list(task.concurrency_holders)},
         "attempts": [dataclasses.asdict(attempt) for attempt in task.attempts],
         "steps": [dataclasses.asdict(step) for step in task.steps],
         "wait": None if task.wait is None else dataclasses.asdict(task.wait),

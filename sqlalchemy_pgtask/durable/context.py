@@ -224,9 +224,11 @@ class TaskContext(BaseTaskContext):
         ``name`` is a task name or a registered `TaskDefinition`. ``options`` are
         `enqueue`'s: ``queue`` (default: the definition's, else this task's queue),
         ``version``, ``run_at``, ``delay``, ``priority``, ``max_attempts``, ``headers``,
-        ``timeout`` (the child's time limit per attempt, instead of its handler's). The
-        options are checked on every run but are not part of the call's identity: a replay
-        returns the child first spawned, whatever options the code now passes.
+        ``timeout`` (the child's time limit per attempt, instead of its handler's),
+        ``concurrency_key``, ``concurrency_limit``. The options are checked on every run but
+        are not part of the call's identity: a replay returns the child first spawned,
+        whatever options the code now passes. A child under the key its parent holds (with a
+        limit of 1) never starts while the parent waits for it: give it another key.
         When this task ends, by any path, its unfinished descendants are cancelled.
 
         :raises InvalidOptionError: an option is unknown or invalid; nothing was written.

@@ -95,6 +95,8 @@ def enqueue(
     idempotency_key: str | None = None,
     headers: Mapping[str, Any] | None = None,
     timeout: float | timedelta | None = None,
+    concurrency_key: str | None = None,
+    concurrency_limit: int | None = None,
 ) -> EnqueueResult:
     """Add a task in ``bind``'s current transaction and return its id.
 
@@ -117,6 +119,12 @@ def enqueue(
     :param timeout: this task's time limit per attempt (seconds or a timedelta), instead of
         its handler's ``timeout``: past it the attempt is stopped and fails with kind
         ``timeout``, and is retried by policy.
+    :param concurrency_key: at most ``concurrency_limit`` tasks of this queue, name and key
+        run at once (a durable workflow's suspensions hold the key too, unless its handler
+        says ``concurrency_scope="running"``); the others wait their turn, in claim order,
+        while other keys' tasks go ahead (docs/concurrency.md). At most 512 bytes.
+    :param concurrency_limit: this task's limit for its key, instead of its handler's
+        ``concurrency_limit`` (default 1); needs a ``concurrency_key``.
     :raises ValidationError: on bad input, before any SQL runs.
     :raises TypeError: ``bind`` is not a Session or Connection (an engine, or an async session:
         use `enqueue_async`), before any SQL runs.
@@ -129,7 +137,8 @@ def enqueue(
     plan = plan_one(
         name, payload, queue=queue, version=version, run_at=run_at, delay=delay,
         priority=priority, max_attempts=max_attempts, idempotency_key=idempotency_key,
-        headers=headers, timeout=timeout,
+        headers=headers, timeout=timeout, concurrency_key=concurrency_key,
+        concurrency_limit=concurrency_limit,
     )
     return _execute(target, plan)[0]
 
@@ -148,13 +157,16 @@ async def enqueue_async(
     idempotency_key: str | None = None,
     headers: Mapping[str, Any] | None = None,
     timeout: float | timedelta | None = None,
+    concurrency_key: str | None = None,
+    concurrency_limit: int | None = None,
 ) -> EnqueueResult:
     """`enqueue` for an `AsyncSession` or an `AsyncConnection`; the same guarantees."""
     target = async_bind(bind, "enqueue")
     plan = plan_one(
         name, payload, queue=queue, version=version, run_at=run_at, delay=delay,
         priority=priority, max_attempts=max_attempts, idempotency_key=idempotency_key,
-        headers=headers, timeout=timeout,
+        headers=headers, timeout=timeout, concurrency_key=concurrency_key,
+        concurrency_limit=concurrency_limit,
     )
     return (await _execute_async(target, plan))[0]
 

@@ -45,8 +45,10 @@ _NOW: Final = "SELECT pgtask.now(), pgtask.now() = statement_timestamp()"
 
 def copyable(rows: Sequence[TaskRow]) -> bool:
     """Whether ``rows`` are sent with ``COPY`` (by a psycopg connection in UTF-8): enough of
-    them, and none with an idempotency key or a delay."""
-    return len(rows) >= COPY_MIN_ROWS and not any(row.delay or row.key for row in rows)
+    them, and none with an idempotency key, a delay or a concurrency key."""
+    return len(rows) >= COPY_MIN_ROWS and not any(
+        row.delay or row.key or row.concurrency_key for row in rows
+    )
 
 
 def _utf8(driver: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:

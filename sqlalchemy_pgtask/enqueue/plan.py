@@ -27,6 +27,7 @@ from sqlalchemy_pgtask.validation import (
     INT2_MIN,
     INT4_MAX,
     PAYLOAD_MAX_BYTES,
+    check_concurrency,
     check_delay,
     check_idempotency_key,
     check_int_range,
@@ -88,13 +89,17 @@ class EnqueueRequest:
     headers: Mapping[str, Any] | None = field(default=None, hash=False)
     #: None: the registered handler's ``timeout`` applies (if it has one).
     timeout: float | timedelta | None = None
+    concurrency_key: str | None = None
+    #: None: the registered handler's ``concurrency_limit`` applies (or 1).
+    concurrency_limit: int | None = None
 
     def __init__(
         self, *, name: str, payload: Any = None, queue: str = DEFAULT_QUEUE, version: int = 1,
         run_at: datetime | None = None, delay: float | timedelta | None = None,
         priority: int = 0, max_attempts: int | None = None,
         idempotency_key: str | None = None, headers: Mapping[str, Any] | None = None,
-        timeout: float | timedelta | None = None,
+        timeout: float | timedelta | None = None, concurrency_key: str | None = None,
+        concurrency_limit: int | None = None,
     ) -> None:
         # A frozen dataclass's own __init__ sets each field by ``object.__setattr__``: half
         # the cost of a request, built a thousand times per bulk enqueue. One update of the
@@ -103,6 +108,7 @@ class EnqueueRequest:
             name=name, payload=payload, queue=queue, version=version, run_at=run_at,
             delay=delay, priority=priority, max_attempts=max_attempts,
             idempotency_key=idempotency_key, headers=headers, timeout=timeout,
+            concurrency_key=concurrency_key, concurrency_limit=concurrency_limit,
         )
 
 
@@ -125,6 +131,8 @@ class TaskRow(NamedTuple):
     run_at: datetime | None
     delay: float
     key: str | None
+    concurrency_key: str | None = None
+    concurrency_limit: int | None = None
 
 
 def validate_request(request: EnqueueRequest, task_id: uuid.UUID, prefix: str = "") -> TaskRow:
@@ -150,7 +158,7 @@ def _validated(
 ) -> TaskRow:
     # The order of the checks is part of the contract: a request with several bad fields names
     # the first of name, queue, version, priority, max_attempts, key, run_at/delay, payload,
-    # headers, timeout.
+    # headers, timeout, concurrency_key, concurrency_limit.
     name = check_task_name(request.name)
     queue = check_queue_name(request.queue)
     # The common case (a plain int in range) is checked inline: one bulk enqueue validates
@@ -177,10 +185,13 @@ def _validated(
     headers = telemetry.with_trace_context(request.headers, carrier)
     headers_text = "{}" if headers is None else dump_headers(headers)
     timeout = None if request.timeout is None else check_time_limit("timeout", request.timeout)
+    concurrency_key, limit = request.concurrency_key, request.concurrency_limit
+    if concurrency_key is not None or limit is not None:
+        concurrency_key, limit = check_concurrency(concurrency_key, limit)
     # Positional, in the fields' order: keywords double the cost of building the row.
     return TaskRow(
         task_id, queue, name, version, payload, headers_text, priority, max_attempts, timeout,
-        run_at, seconds, key,
+        run_at, seconds, key, concurrency_key, limit,
     )
 
 
@@ -206,11 +217,11 @@ def _plan_row(row: TaskRow) -> Plan:
     if (
         row.version == 1 and row.headers == "{}" and row.priority == 0 and not row.delay
         and row.max_attempts is None and row.timeout is None and row.run_at is None
-        and row.key is None
+        and row.key is None and row.concurrency_key is None
     ):
         params = {"id": row.id, "queue": row.queue, "name": row.name, "payload": row.payload}
         return Plan(statements.ENQUEUE_PLAIN, params, [row], [0], returns_rows=False)
-    if row.key is None:
+    if row.key is None and row.concurrency_key is None:
         params = {
             "id": row.id, "queue": row.queue, "name": row.name, "version": row.version,
             "payload": row.payload, "headers": row.headers, "priority": row.priority,
@@ -240,9 +251,9 @@ def plan_many(rows: list[TaskRow]) -> Plan:
     first = rows[0]
     shared = (first.queue, first.name, first.version, first.headers, first.priority,
               first.max_attempts, first.run_at, first.delay, first.timeout)
-    if not first_of_key and all(
+    if not first_of_key and first.concurrency_key is None and all(
         (row.queue, row.name, row.version, row.headers, row.priority, row.max_attempts,
-         row.run_at, row.delay, row.timeout) == shared
+         row.run_at, row.delay, row.timeout) == shared and row.concurrency_key is None
         for row in rows
     ):
         uniform = {
@@ -275,6 +286,8 @@ def _batch_params(rows: Sequence[TaskRow], ords: Sequence[int]) -> dict[str, Any
         "delays": [row.delay for row in rows],
         "timeouts": [row.timeout for row in rows],
         "keys": [row.key for row in rows],
+        "concurrency_keys": [row.concurrency_key for row in rows],
+        "concurrency_limits": [row.concurrency_limit for row in rows],
     }
 
 
@@ -345,12 +358,15 @@ def plan_one(
     idempotency_key: str | None,
     headers: Mapping[str, Any] | None,
     timeout: float | timedelta | None = None,
+    concurrency_key: str | None = None,
+    concurrency_limit: int | None = None,
 ) -> Plan:
     """Validate one enqueue's arguments and plan its statement."""
     request = EnqueueRequest(
         name=name, payload=payload, queue=queue, version=version, run_at=run_at, delay=delay,
         priority=priority, max_attempts=max_attempts, idempotency_key=idempotency_key,
-        headers=headers, timeout=timeout,
+        headers=headers, timeout=timeout, concurrency_key=concurrency_key,
+        concurrency_limit=concurrency_limit,
     )
     return _plan_row(validate_request(request, new_ids(1)[0]))
 

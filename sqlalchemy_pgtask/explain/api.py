@@ -18,6 +18,8 @@ The codes, and what to do about each, are in docs/explain.md:
 ``no_live_worker``   no live, non-draining worker has its (name, version) for its queue
 ``rate_limited``     its queue's rate limit has no start left now
 ``workers_busy``     every live worker able to run it has all its slots taken
+``concurrency_key``  its concurrency key is held by its limit of tasks, or earlier tasks
+                     of the key take the free places first
 ``ready``            due, and nothing holds it back: the next claim takes it
 ``waiting_signal``   waiting for a signal
 ``waiting_child``    waiting for a child task to finish
@@ -46,6 +48,7 @@ from sqlalchemy_pgtask._connection import (
 )
 from sqlalchemy_pgtask.errors import TaskNotFound
 from sqlalchemy_pgtask.explain.facts import read_facts
+from sqlalchemy_pgtask.explain.keyed import key_reason, read_key
 from sqlalchemy_pgtask.explain.reasons import (
     REASON_CODES,
     Explanation,
@@ -54,6 +57,7 @@ from sqlalchemy_pgtask.explain.reasons import (
     WorkerSlots,
     reasons_of,
 )
+from sqlalchemy_pgtask.states import PENDING
 
 __all__ = [
     "REASON_CODES",
@@ -69,12 +73,17 @@ __all__ = [
 def _explained(connection: Connection, task_id: uuid.UUID) -> Explanation:
     with translated_errors(connection):
         facts = read_facts(connection, task_id)
-    if facts is None:
-        raise TaskNotFound(f"no task with id {task_id}")
-    task = facts.task
+        if facts is None:
+            raise TaskNotFound(f"no task with id {task_id}")
+        task = facts.task
+        key = read_key(connection, task) if task.state == PENDING else None
+    reasons = reasons_of(facts)
+    waits_for_key = key_reason(facts, key)
+    if waits_for_key is not None:  # the next claim passes it over: it is not ready
+        reasons = (*(r for r in reasons if r.code != "ready"), waits_for_key)
     return Explanation(
         task_id=task.id, queue=task.queue, name=task.name, version=task.version,
-        state=task.state, now=facts.now, reasons=reasons_of(facts),
+        state=task.state, now=facts.now, reasons=reasons,
     )
 
 

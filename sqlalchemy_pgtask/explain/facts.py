@@ -344,6 +344,7 @@ def read_facts(connection: Connection, task_id: uuid.UUID) -> Facts | None:
             Task.id, Task.queue, Task.name, Task.version, Task.state, Task.run_at,
             Task.attempt, Task.failed_attempts, Task.max_attempts, Task.lease_owner,
             Task.lease_expires_at, Task.cancel_requested_at, Task.error, Task.completed_at,
+            Task.priority, Task.concurrency_key, Task.concurrency_limit, Task.concurrency_held,
             NOW.label("now"),
         ).where(Task.id == task_id)
     ).first()

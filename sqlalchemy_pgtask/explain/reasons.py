@@ -26,8 +26,8 @@ __all__ = ["REASON_CODES", "Explanation", "Reason", "ReasonCode", "WorkerSlots",
 #: Why a task is not running now (or, for ``running``, where it runs).
 ReasonCode = Literal[
     "not_due", "sleeping", "queue_paused", "queue_at_capacity", "no_live_worker",
-    "rate_limited", "workers_busy", "ready", "waiting_signal", "waiting_child", "waiting",
-    "running", "terminal",
+    "rate_limited", "workers_busy", "concurrency_key", "ready", "waiting_signal",
+    "waiting_child", "waiting", "running", "terminal",
 ]
 REASON_CODES: Final[tuple[ReasonCode, ...]] = get_args(ReasonCode)
 

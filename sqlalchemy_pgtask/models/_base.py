@@ -15,6 +15,7 @@ from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP, UUID
 from sqlalchemy.orm import DeclarativeBase
 
 from sqlalchemy_pgtask.validation import (
+    CONCURRENCY_KEY_MAX_BYTES,
     DURATION_MAX_SECONDS,
     NAME_PATTERN,
 )
@@ -26,6 +27,8 @@ __all__ = [
     "SCHEMA",
     "TS",
     "Base",
+    "concurrency_key_check",
+    "concurrency_limit_check",
     "metadata",
     "name_check",
     "positive_duration_check",
@@ -73,6 +76,21 @@ def positive_duration_check(column: str) -> str:
 
 def size_check(column: str, max_bytes: int) -> str:
     return f"octet_length({column}::text) <= {max_bytes}"
+
+
+def concurrency_key_check() -> str:
+    return (
+        "concurrency_key IS NULL"
+        f" OR octet_length(concurrency_key) BETWEEN 1 AND {CONCURRENCY_KEY_MAX_BYTES}"
+    )
+
+
+def concurrency_limit_check() -> str:
+    """A limit only with a key (``tasks`` and ``schedules``)."""
+    return (
+        "concurrency_limit IS NULL"
+        " OR (concurrency_limit > 0 AND concurrency_key IS NOT NULL)"
+    )
 
 
 def retry_shape_check(prefix: str = "retry_") -> str:

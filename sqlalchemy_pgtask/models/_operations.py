@@ -24,6 +24,8 @@ from sqlalchemy.orm import Mapped, mapped_column
 from sqlalchemy_pgtask.models._base import (
     NOW,
     Base,
+    concurrency_key_check,
+    concurrency_limit_check,
     name_check,
     positive_duration_check,
     quoted,
@@ -90,6 +92,8 @@ class Schedule(Base):
             f"timeout_seconds IS NULL OR {positive_duration_check('timeout_seconds')}",
             name="timeout",
         ),
+        CheckConstraint(concurrency_key_check(), name="concurrency_key"),
+        CheckConstraint(concurrency_limit_check(), name="concurrency_limit"),
         # Due schedules, earliest first, for the materialisers.
         Index("ix_schedules_due", "next_run_at", postgresql_where=text("paused_at IS NULL")),
     )
@@ -122,6 +126,9 @@ class Schedule(Base):
     paused_at: Mapped[datetime | None]
     created_at: Mapped[datetime] = mapped_column(server_default=NOW)
     updated_at: Mapped[datetime] = mapped_column(server_default=NOW)
+    #: The concurrency key and limit of every occurrence (docs/concurrency.md).
+    concurrency_key: Mapped[str | None] = mapped_column(Text)
+    concurrency_limit: Mapped[int | None] = mapped_column(Integer)
 
 
 class AuditEntry(Base):

@@ -24,6 +24,8 @@ from sqlalchemy_pgtask.models._base import (
     FAST_AUTOVACUUM,
     NOW,
     Base,
+    concurrency_key_check,
+    concurrency_limit_check,
     positive_duration_check,
     quoted,
     retry_shape_check,
@@ -87,6 +89,11 @@ class Task(Base):
             name="timeout",
         ),
         CheckConstraint("(schedule_name IS NULL) = (scheduled_for IS NULL)", name="schedule"),
+        CheckConstraint(concurrency_key_check(), name="concurrency_key"),
+        CheckConstraint(concurrency_limit_check(), name="concurrency_limit"),
+        CheckConstraint(
+            "NOT concurrency_held OR concurrency_key IS NOT NULL", name="concurrency_held"
+        ),
         # The claim path: due pending work of a queue, highest priority first.
         Index(
             "ix_tasks_claim",
@@ -131,6 +138,21 @@ class Task(Base):
             "schedule_name", "scheduled_for",
             unique=True,
             postgresql_where=text("schedule_name IS NOT NULL"),
+        ),
+        # The tasks holding a concurrency key (revision pgtask_0016): running, or suspended
+        # with the key held. Tasks without a key are in neither of these two.
+        Index(
+            "ix_tasks_concurrency_holders",
+            "queue", "name", "concurrency_key",
+            postgresql_where=text(
+                "concurrency_key IS NOT NULL AND (state = 'running' OR concurrency_held)"
+            ),
+        ),
+        # A key's pending tasks in claim order: who is next for a free slot (FIFO per key).
+        Index(
+            "ix_tasks_concurrency_pending",
+            "queue", "name", "concurrency_key", text("priority DESC"), "run_at", "id",
+            postgresql_where=text("concurrency_key IS NOT NULL AND state = 'pending'"),
         ),
         # Tasks churn fast; vacuum and analyze long before the 20% defaults.
         {"postgresql_with": FAST_AUTOVACUUM},
@@ -183,6 +205,13 @@ class Task(Base):
     created_at: Mapped[datetime] = mapped_column(server_default=NOW)
     updated_at: Mapped[datetime] = mapped_column(server_default=NOW)
     completed_at: Mapped[datetime | None]
+    #: At most ``concurrency_limit`` tasks of one (queue, name, key) hold their key at once;
+    #: None: not limited (docs/concurrency.md).
+    concurrency_key: Mapped[str | None] = mapped_column(Text)
+    #: This task's own limit for its key; None: its handler's (or 1).
+    concurrency_limit: Mapped[int | None] = mapped_column(Integer)
+    #: Whether the task keeps its key while a durable suspension (sleep, wait) runs nothing.
+    concurrency_held: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
 
     #: Every checkpoint the task's handler stored, oldest first.
     steps: Mapped[list[Checkpoint]] = relationship(

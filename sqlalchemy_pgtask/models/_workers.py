@@ -19,6 +19,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Mapped, mapped_column
 
 from sqlalchemy_pgtask.models._base import NOW, RETRY_KINDS, Base, quoted, retry_shape_check
+from sqlalchemy_pgtask.validation import CONCURRENCY_SCOPES
 
 
 class WorkerRecord(Base):
@@ -65,6 +66,12 @@ class HandlerPolicy(Base):
         CheckConstraint(f"retry_kind IN ({quoted(RETRY_KINDS)})", name="retry_kind"),
         CheckConstraint(retry_shape_check(), name="retry_policy"),
         CheckConstraint("max_attempts IS NULL OR max_attempts > 0", name="max_attempts"),
+        CheckConstraint(
+            "concurrency_limit IS NULL OR concurrency_limit > 0", name="concurrency_limit"
+        ),
+        CheckConstraint(
+            f"concurrency_scope IN ({quoted(CONCURRENCY_SCOPES)})", name="concurrency_scope"
+        ),
     )
 
     queue: Mapped[str] = mapped_column(Text, primary_key=True)
@@ -79,4 +86,9 @@ class HandlerPolicy(Base):
     #: frozen before this column existed, until a worker registers the identity again.
     max_attempts: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(server_default=NOW)
+    #: Holders allowed per concurrency key, for tasks enqueued with a key and no limit of
+    #: their own; None: 1.
+    concurrency_limit: Mapped[int | None] = mapped_column(Integer)
+    #: ``workflow``: a durable suspension keeps the key; ``running``: only a running attempt.
+    concurrency_scope: Mapped[str] = mapped_column(Text, server_default=text("'workflow'"))
 

@@ -115,6 +115,8 @@ def set_schedule(
     overlap: str = "allow",
     start_at: datetime | None = None,
     actor: str | None = None,
+    concurrency_key: str | None = None,
+    concurrency_limit: int | None = None,
 ) -> ScheduleInfo:
     """Create or change the schedule ``name`` in ``bind``'s transaction; never commits.
 
@@ -127,6 +129,7 @@ def set_schedule(
     Called again with the same definition, it changes nothing and keeps the cursor; with a
     different one it starts afresh: the cursor becomes the first occurrence at or after
     ``start_at``, or else the next after database now (an interval: now plus the interval).
+    ``concurrency_key`` and ``concurrency_limit`` are each occurrence's (see `enqueue`).
 
     :raises ValidationError: a bad option (cron, time zone, policy ...), before any SQL.
     """
@@ -134,6 +137,7 @@ def set_schedule(
         cron=cron, every=every, timezone=timezone, payload=payload, headers=headers,
         priority=priority, max_attempts=max_attempts, timeout=timeout, misfire=misfire,
         catch_up_limit=catch_up_limit, overlap=overlap, start_at=start_at,
+        concurrency_key=concurrency_key, concurrency_limit=concurrency_limit,
     ))
     checked = check_actor(actor)
     return write(connection_of(sync_bind(bind, "set_schedule")), spec, checked, False)
@@ -159,6 +163,8 @@ async def set_schedule_async(
     overlap: str = "allow",
     start_at: datetime | None = None,
     actor: str | None = None,
+    concurrency_key: str | None = None,
+    concurrency_limit: int | None = None,
 ) -> ScheduleInfo:
     """`set_schedule` for an `AsyncSession` or `AsyncConnection`; the same guarantees.
 
@@ -170,6 +176,7 @@ async def set_schedule_async(
         cron=cron, every=every, timezone=timezone, payload=payload, headers=headers,
         priority=priority, max_attempts=max_attempts, timeout=timeout, misfire=misfire,
         catch_up_limit=catch_up_limit, overlap=overlap, start_at=start_at,
+        concurrency_key=concurrency_key, concurrency_limit=concurrency_limit,
     ))
     checked = check_actor(actor)
     connection = await async_connection_of(target)

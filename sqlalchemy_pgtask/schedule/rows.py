@@ -75,6 +75,9 @@ class ScheduleInfo:
     paused_at: datetime | None
     created_at: datetime
     updated_at: datetime
+    #: The concurrency key and limit every occurrence is enqueued with (None: none).
+    concurrency_key: str | None
+    concurrency_limit: int | None
     #: The cursor and the occurrences after it (computed in Python; empty if it cannot be).
     upcoming: tuple[datetime, ...] = ()
 

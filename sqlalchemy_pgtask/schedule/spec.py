@@ -26,6 +26,7 @@ from sqlalchemy_pgtask.validation import (
     INT2_MIN,
     INT4_MAX,
     PAYLOAD_MAX_BYTES,
+    check_concurrency,
     check_int_range,
     check_queue_name,
     check_run_at,
@@ -41,6 +42,7 @@ __all__ = ["DEFINITION_FIELDS", "ScheduleSpec", "schedule_spec"]
 DEFINITION_FIELDS: Final = (
     "cron", "interval_seconds", "timezone", "misfire", "catch_up_limit", "overlap", "queue",
     "task_name", "version", "payload", "headers", "priority", "max_attempts", "timeout_seconds",
+    "concurrency_key", "concurrency_limit",
 )
 
 #: What `SCHEDULE_HEADER` adds to a task's headers at most (its name, a 255-byte schedule
@@ -67,6 +69,8 @@ class ScheduleSpec:
     priority: int
     max_attempts: int | None
     timeout_seconds: float | None
+    concurrency_key: str | None = None
+    concurrency_limit: int | None = None
     start_at: datetime | None = None
 
     @property
@@ -105,6 +109,8 @@ def schedule_spec(
     catch_up_limit: object = None,
     overlap: object = "allow",
     start_at: object = None,
+    concurrency_key: object = None,
+    concurrency_limit: object = None,
 ) -> ScheduleSpec:
     """Check every option; raises a `ValidationError` naming the first bad one."""
     checked_name = check_task_name(name, "name")
@@ -135,6 +141,7 @@ def schedule_spec(
         timeout_seconds = check_time_limit("timeout", timeout)
     else:
         timeout_seconds = None
+    key, key_limit = check_concurrency(concurrency_key, concurrency_limit)
     return ScheduleSpec(
         name=checked_name,
         task_name=check_task_name(task_name, "task"),
@@ -156,5 +163,7 @@ def schedule_spec(
             else check_int_range("max_attempts", max_attempts, 1, INT4_MAX)
         ),
         timeout_seconds=timeout_seconds,
+        concurrency_key=key,
+        concurrency_limit=key_limit,
         start_at=None if start_at is None else check_run_at("start_at", start_at),
     )

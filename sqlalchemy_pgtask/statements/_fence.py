@@ -19,10 +19,14 @@ from sqlalchemy import (
     Text,
     and_,
     bindparam,
+    case,
     exists,
+    false,
+    func,
     literal_column,
     null,
     select,
+    true,
     update,
 )
 
@@ -32,6 +36,7 @@ from sqlalchemy_pgtask.statements._common import (
     Lease,
     attempts,
     checkpoints,
+    policies,
     running_state,
     tasks,
 )
@@ -133,14 +138,29 @@ def states(names: tuple[str, ...]) -> list[ColumnElement[Any]]:
     return [const(name) for name in names]
 
 
+def _keeps_key() -> ColumnElement[bool]:
+    """Whether a suspended task keeps its concurrency key: it has one, and its handler's
+    frozen scope is ``workflow`` (the default, also without a policy row). A CASE, so a task
+    without a key never reads the policy."""
+    p = policies
+    scope = (
+        select(p.c.concurrency_scope == const("workflow"))
+        .where(p.c.queue == tasks.c.queue, p.c.name == tasks.c.name,
+               p.c.version == tasks.c.version)
+        .scalar_subquery()
+    )
+    return case((tasks.c.concurrency_key.is_(None), false()), else_=func.coalesce(scope, true()))
+
+
 def suspend(fence: CTE, state: str, when: ColumnElement[bool], **values: Any) -> tuple[CTE, CTE]:
-    """End the fenced attempt as suspended, the task in ``state``: its lease is cleared."""
+    """End the fenced attempt as suspended, the task in ``state``: its lease is cleared, and
+    its concurrency key kept or released (`_keeps_key`)."""
     moved = (
         update(tasks)
         .where(tasks.c.id == task_bind(), has_rows(fence), when)
         .values(
             state=const(state), lease_token=null(), lease_owner=null(), lease_expires_at=null(),
-            updated_at=NOW, **values,
+            updated_at=NOW, concurrency_held=_keeps_key(), **values,
         )
         .returning(tasks.c.id)
         .cte(f"{state}_task")

@@ -23,6 +23,7 @@ from sqlalchemy import (
     Select,
     Text,
     alias,
+    and_,
     any_,
     bindparam,
     case,
@@ -65,8 +66,8 @@ __all__ = [
 
 
 class Capability(NamedTuple):
-    """A handler a worker can run: its identity, retry policy, default attempt budget and
-    default time limit."""
+    """A handler a worker can run: its identity, retry policy, default attempt budget,
+    default time limit and concurrency policy (frozen with the retry policy)."""
 
     queue: str
     name: str
@@ -74,6 +75,8 @@ class Capability(NamedTuple):
     retry: RetryPolicy
     max_attempts: int
     timeout: float | None = None
+    concurrency_limit: int | None = None
+    concurrency_scope: str = "workflow"
 
 
 class CapabilityParams(PolicyArrays):
@@ -132,8 +135,9 @@ def pending(table: FromClause = tasks) -> ColumnElement[bool]:
 
 
 def capabilities_cte() -> CTE:
+    # "cap", not "capability": the claim names it eleven times, within 4 KiB (see `CLAIM`).
     rows = arrays(
-        "capability",
+        "cap",
         ("cap_queues", "queue", Text()),
         ("cap_names", "name", Text()),
         ("cap_versions", "version", Integer()),
@@ -193,11 +197,26 @@ def capable(capabilities: CTE, table: FromClause = tasks) -> ColumnElement[bool]
     )
 
 
+def admitted(table: FromClause = tasks) -> ColumnElement[bool]:
+    """A task without a concurrency key, or one whose key it may take now: the claim passes
+    over the tasks of a full key (and those behind the next in line), so one key's backlog
+    never holds back another key's tasks. ``tasks_concurrency_grant`` checks again, under the
+    key's lock, as the row turns running (revision pgtask_0016)."""
+    return or_(
+        table.c.concurrency_key.is_(None),
+        func.pgtask.concurrency_admits(table.c.id, type_=Boolean),
+    )
+
+
 CLAIMED_COLUMNS: Final = (
     "id", "queue", "name", "version", "payload", "headers", "priority", "attempt",
     "failed_attempts", "max_attempts", "lease_token", "cancel_requested_at", "retry_kind",
     "retry_base_seconds", "retry_factor", "retry_max_seconds", "retry_jitter",
 )
+
+
+def _startable(capabilities: CTE, table: FromClause) -> ColumnElement[bool]:
+    return and_(capable(capabilities, table), admitted(table))
 
 
 def _plain_candidates(capabilities: CTE, served: CTE, limit: ColumnElement[Any]) -> FromClause:
@@ -209,6 +228,7 @@ def _plain_candidates(capabilities: CTE, served: CTE, limit: ColumnElement[Any])
             c.c.queue == served.c.name,
             c.c.run_at <= NOW,
             capable(capabilities, c),
+            admitted(c),
         )
         .order_by(c.c.priority.desc(), c.c.run_at, c.c.id)
         .limit(limit)
@@ -225,7 +245,7 @@ def _claim(*, governed: bool) -> Select[Any]:
     if governed:
         locked = _governed.buckets(served)
         queue_order: CTE = _governed.allowance(served, locked, limit)
-        candidate = _governed.candidates(capabilities, queue_order, pending, capable)
+        candidate = _governed.candidates(capabilities, queue_order, pending, _startable)
         order: tuple[Any, ...] = (candidate.c.rank, candidate.c.prio.desc())
     else:
         queue_order = served
@@ -343,8 +363,10 @@ def _claim(*, governed: bool) -> Select[Any]:
 #: inserts one ``attempts`` row each, with the attempt's deadline (database time + the task's,
 #: or else the handler's, time limit). Returns `CLAIMED_COLUMNS` of the claimed tasks (with
 #: ``headers`` NULL where they are empty), then ``time_limit`` (seconds or NULL) and
-#: ``deadline_at``. Kept under psycopg's 4 KiB limit for cached parsing (23 bytes to spare
-#: on 2026-12-03): the governed form is longer, and paid for only by workers that need it.
+#: ``deadline_at``. Kept under psycopg's 4 KiB limit for cached parsing (33 bytes to spare
+#: on 2026-12-08, with the concurrency filter): the governed form is longer, and paid for
+#: only by workers that need it. A task with a concurrency key is claimed only when
+#: ``pgtask.concurrency_admits`` lets it take its key (see `admitted`).
 CLAIM: Final = _claim(governed=False)
 
 #: `CLAIM` for a worker some of whose queues are governed, serving all its unpaused queues:

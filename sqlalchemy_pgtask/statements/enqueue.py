@@ -64,7 +64,7 @@ DEFAULT_IDEMPOTENCY_RETENTION_SECONDS: Final = 2_592_000
 #: The columns an enqueue writes, in the order of the request arrays.
 _ENQUEUE_COLUMNS: Final = (
     "id", "queue", "name", "version", "payload", "headers", "priority", "max_attempts",
-    "run_at", "timeout_seconds", "idempotency_key",
+    "run_at", "timeout_seconds", "idempotency_key", "concurrency_key", "concurrency_limit",
 )
 
 
@@ -155,6 +155,8 @@ def _requests() -> CTE:
         bindparam("delays", type_=ARRAY(Double)),
         bindparam("timeouts", type_=ARRAY(Double)),
         bindparam("keys", type_=ARRAY(Text)),
+        bindparam("concurrency_keys", type_=ARRAY(Text)),
+        bindparam("concurrency_limits", type_=ARRAY(Integer)),
     ).table_valued(
         column("ord", Integer),
         column("id", UUID_T),
@@ -169,6 +171,8 @@ def _requests() -> CTE:
         column("delay", Double),
         column("timeout_seconds", Double),
         column("key", Text),
+        column("concurrency_key", Text),
+        column("concurrency_limit", Integer),
     ).render_derived("request")
     return select(arrays).cte("requests")
 
@@ -178,6 +182,7 @@ def _task_values(requests: CTE) -> Select[Any]:
     return select(
         c.id, c.queue, c.name, c.version, cast(c.payload, JSONB), cast(c.headers, JSONB),
         c.priority, c.max_attempts, _run_at(c.run_at, c.delay), c.timeout_seconds, c.key,
+        c.concurrency_key, c.concurrency_limit,
     )
 
 
@@ -204,7 +209,7 @@ def _enqueue_uniform() -> Insert:
         .render_derived("request")
     )
     return insert(tasks).from_select(
-        list(_ENQUEUE_COLUMNS[:-1]),
+        list(_ENQUEUE_COLUMNS[:-3]),
         select(
             rows.c.id,
             bindparam("queue", type_=Text),

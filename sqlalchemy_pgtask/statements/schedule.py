@@ -101,6 +101,7 @@ def _from_template(template: Select[Any]) -> Insert:
             [
                 "id", "queue", "name", "version", "payload", "headers", "priority",
                 "max_attempts", "run_at", "timeout_seconds", "schedule_name", "scheduled_for",
+                "concurrency_key", "concurrency_limit",
             ],
             template,
         )
@@ -116,6 +117,7 @@ def _template(s: Any, task_id: Any, occurrence: Any, run_at: Any) -> Select[Any]
         task_id, s.c.queue, s.c.task_name, s.c.version, s.c.payload,
         s.c.headers.op("||")(_occurrence_header(s.c.name, occurrence)), s.c.priority,
         s.c.max_attempts, run_at, s.c.timeout_seconds, s.c.name, occurrence,
+        s.c.concurrency_key, s.c.concurrency_limit,
     )
 
 

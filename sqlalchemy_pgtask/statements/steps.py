@@ -195,7 +195,8 @@ def _spawn() -> Select[Any]:
         pg_insert(tasks)
         .from_select(
             ["id", "queue", "name", "version", "payload", "headers", "priority",
-             "max_attempts", "run_at", "timeout_seconds", "parent_id"],
+             "max_attempts", "run_at", "timeout_seconds", "parent_id", "concurrency_key",
+             "concurrency_limit"],
             select(
                 bind("child_id", UUID_T),
                 bind("child_queue", Text),
@@ -210,6 +211,8 @@ def _spawn() -> Select[Any]:
                 ),
                 bind("child_timeout", Double),
                 fence.c.id,
+                bind("child_concurrency_key", Text),
+                bind("child_concurrency_limit", Integer),
             ).where(~has_rows(earlier)),
         )
         # A try whose first one still ran on a connection the client gave up on: that one
@@ -255,5 +258,6 @@ def _spawn() -> Select[Any]:
 #: an earlier try of this call committed after this statement's snapshot (read the checkpoint).
 #: Binds `DurableParams` plus the child's ``id``, ``queue``, ``name``, ``version``,
 #: ``payload``, ``headers``, ``priority``, ``max_attempts``, ``run_at``, ``delay``,
-#: ``timeout`` (seconds or NULL: the handler's applies), each prefixed ``child_``.
+#: ``timeout`` (seconds or NULL: the handler's applies), ``concurrency_key``,
+#: ``concurrency_limit``, each prefixed ``child_``.
 SPAWN: Final = _spawn()

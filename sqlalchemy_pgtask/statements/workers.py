@@ -82,6 +82,8 @@ class IdentityParams(TypedDict):
 
 class PolicyParams(IdentityParams, PolicyArrays):
     max_attempts: list[int]
+    concurrency_limits: list[int | None]
+    concurrency_scopes: list[str]
 
 
 def identity_params(served: Sequence[Capability]) -> IdentityParams:
@@ -97,6 +99,8 @@ def policy_params(served: Sequence[Capability]) -> PolicyParams:
         **identity_params(served),
         **RetryPolicy.as_arrays([c.retry for c in served]),
         "max_attempts": [c.max_attempts for c in served],
+        "concurrency_limits": [c.concurrency_limit for c in served],
+        "concurrency_scopes": [c.concurrency_scope for c in served],
     }
 
 
@@ -158,7 +162,8 @@ ADD_CAPABILITIES: Final = _add_capabilities()
 
 POLICY_COLUMNS: Final = (
     "queue", "name", "version", "retry_kind", "retry_base_seconds", "retry_factor",
-    "retry_max_seconds", "retry_jitter", "max_attempts",
+    "retry_max_seconds", "retry_jitter", "max_attempts", "concurrency_limit",
+    "concurrency_scope",
 )
 
 
@@ -174,6 +179,8 @@ def _register_policies() -> PgInsert:
         ("retry_maxes", "retry_max_seconds", Double()),
         ("retry_jitters", "retry_jitter", Boolean()),
         ("max_attempts", "max_attempts", Integer()),
+        ("concurrency_limits", "concurrency_limit", Integer()),
+        ("concurrency_scopes", "concurrency_scope", Text()),
     )
     statement = pg_insert(policies).from_select(
         list(POLICY_COLUMNS), select(*(rows.c[c] for c in POLICY_COLUMNS))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
 
-from sqlalchemy import Connection, select, tuple_
+from sqlalchemy import Connection, literal_column, select, tuple_
 
 from sqlalchemy_pgtask._connection import parse_task_id
 from sqlalchemy_pgtask.errors import InvalidOptionError, TaskNotFound
@@ -21,7 +21,12 @@ from sqlalchemy_pgtask.status._durable import (
     durable_view,
     newest,
 )
-from sqlalchemy_pgtask.validation import check_int_range, check_queue_name, check_task_name
+from sqlalchemy_pgtask.validation import (
+    check_concurrency_key,
+    check_int_range,
+    check_queue_name,
+    check_task_name,
+)
 
 __all__ = [
     "LIST_LIMIT_MAX",
@@ -104,13 +109,20 @@ class TaskDetail(TaskSummary):
     attempts_omitted: int = 0
     steps_omitted: int = 0
     children_omitted: int = 0
+    #: Its concurrency key and own limit (None: its handler's, or 1), docs/concurrency.md.
+    concurrency_key: str | None = None
+    concurrency_limit: int | None = None
+    #: The tasks holding its key now (running, or suspended with it held), at most 20.
+    concurrency_holders: tuple[uuid.UUID, ...] = ()
 
 
 #: `TaskDetail` fields that are not columns of the task's row.
 _RELATED: Final = frozenset({
     "attempts", "steps", "wait", "children", "parent", "attempts_omitted", "steps_omitted",
-    "children_omitted",
+    "children_omitted", "concurrency_holders",
 })
+#: Holders `task_detail` lists at most.
+_HOLDERS_SHOWN: Final = 20
 
 _SUMMARY_COLUMNS: Final = (
     Task.id, Task.queue, Task.name, Task.version, Task.state, Task.priority, Task.attempt,
@@ -136,6 +148,7 @@ def check_list_filters(
     queue: str | None = None,
     name: str | None = None,
     limit: int = 50,
+    key: str | None = None,
 ) -> None:
     """Raise a `ValidationError` if `list_tasks` would refuse these filters (no I/O)."""
     if state is not None and state not in TASK_STATES:
@@ -146,6 +159,8 @@ def check_list_filters(
         check_queue_name(queue)
     if name is not None:
         check_task_name(name)
+    if key is not None:
+        check_concurrency_key(key, "key")
     check_int_range("limit", limit, 1, LIST_LIMIT_MAX)
 
 
@@ -157,17 +172,18 @@ def list_tasks(
     name: str | None = None,
     limit: int = 50,
     before: uuid.UUID | str | None = None,
+    key: str | None = None,
 ) -> list[TaskSummary]:
     """The newest tasks first (by ``created_at``, then ``id``), at most ``limit``.
 
-    The filters combine with AND. ``before`` is a keyset cursor: pass the last id of a page
-    to get the next (older) one; it raises `TaskNotFound` if that task no longer exists. The
-    order is a plain ``ORDER BY created_at DESC, id DESC LIMIT n``, which an index on
-    ``(created_at, id)`` would serve without sorting; today the tasks matching the filters
-    are sorted (a top-n sort, memory bounded by ``limit``). Invalid filters raise a
-    `ValidationError` before any SQL runs.
+    The filters combine with AND (``key``: a concurrency key). ``before`` is a keyset cursor:
+    pass the last id of a page to get the next (older) one; it raises `TaskNotFound` if that
+    task no longer exists. The order is a plain ``ORDER BY created_at DESC, id DESC LIMIT
+    n``, which an index on ``(created_at, id)`` would serve without sorting; today the tasks
+    matching the filters are sorted (a top-n sort, memory bounded by ``limit``). Invalid
+    filters raise a `ValidationError` before any SQL runs.
     """
-    check_list_filters(state=state, queue=queue, name=name, limit=limit)
+    check_list_filters(state=state, queue=queue, name=name, limit=limit, key=key)
     cursor = None if before is None else parse_task_id(before)
     statement = select(*_SUMMARY_COLUMNS)
     if state is not None:
@@ -176,6 +192,8 @@ def list_tasks(
         statement = statement.where(Task.queue == queue)
     if name is not None:
         statement = statement.where(Task.name == name)
+    if key is not None:
+        statement = statement.where(Task.concurrency_key == key)
     if cursor is not None:
         last = connection.execute(
             select(Task.created_at, Task.id).where(Task.id == cursor)
@@ -252,4 +270,22 @@ def task_detail(
         attempts_omitted=attempts_omitted,
         steps_omitted=durable.steps_omitted,
         children_omitted=durable.children_omitted,
+        concurrency_holders=_holders(connection, row),
     )
+
+
+def _holders(connection: Connection, row: Any) -> tuple[uuid.UUID, ...]:
+    if row["concurrency_key"] is None:
+        return ()
+    holding = (Task.state == literal_column("'running'")) | Task.concurrency_held
+    return tuple(connection.execute(
+        select(Task.id)
+        .where(
+            Task.queue == row["queue"], Task.name == row["name"],
+            Task.concurrency_key == row["concurrency_key"], holding,
+        )
+        .order_by(Task.id)
+        .limit(_HOLDERS_SHOWN)
+    ).scalars())
+
+

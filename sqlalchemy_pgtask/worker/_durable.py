@@ -68,9 +68,10 @@ logger = logging.getLogger("sqlalchemy_pgtask.worker")
 T = TypeVar("T")
 
 #: Options `spawn` passes on to the child, as `enqueue` names them.
-_SPAWN_OPTIONS = frozenset(
-    {"queue", "version", "run_at", "delay", "priority", "max_attempts", "headers", "timeout"}
-)
+_SPAWN_OPTIONS = frozenset({
+    "queue", "version", "run_at", "delay", "priority", "max_attempts", "headers", "timeout",
+    "concurrency_key", "concurrency_limit",
+})
 
 
 class DurableAttempt:
@@ -306,6 +307,8 @@ class DurableAttempt:
             "child_payload": row.payload, "child_headers": row.headers,
             "child_priority": row.priority, "child_max_attempts": row.max_attempts,
             "child_run_at": row.run_at, "child_delay": row.delay, "child_timeout": row.timeout,
+            "child_concurrency_key": row.concurrency_key,
+            "child_concurrency_limit": row.concurrency_limit,
         }
         with translated_errors():
             spawned = (await self.calls.rows(self, SPAWN, params))[0]

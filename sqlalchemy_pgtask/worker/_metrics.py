@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from sqlalchemy import Row, Select, Text, bindparam, func, literal_column, select
+from sqlalchemy import Boolean, Row, Select, Text, bindparam, func, literal_column, select
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -27,7 +27,7 @@ from sqlalchemy_pgtask.models import Task
 from sqlalchemy_pgtask.statements import NOW
 from sqlalchemy_pgtask.worker._reconnect import brief
 
-__all__ = ["QUEUE_BACKLOG", "Metrics", "sample_backlog"]
+__all__ = ["KEY_WAITING_MAX", "QUEUE_BACKLOG", "Metrics", "sample_backlog"]
 
 logger = logging.getLogger("sqlalchemy_pgtask.worker")
 
@@ -39,6 +39,8 @@ _DURATION_BUCKETS: Final = (
 )
 #: Rows per claim; 0 is an idle poll.
 _BATCH_BUCKETS: Final = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+#: Tasks waiting for a concurrency key counted at most per queue and sample.
+KEY_WAITING_MAX: Final = 10_000
 
 
 def _backlog_statement() -> Select[Any]:
@@ -56,10 +58,22 @@ def _backlog_statement() -> Select[Any]:
     )
     depth = select(func.count()).where(*due).scalar_subquery()
     oldest = select(func.min(Task.run_at)).where(*due).scalar_subquery()
+    # The claim's own test, through ix_tasks_concurrency_pending; a hot key's backlog is
+    # counted up to a bound, so one sample never walks it whole.
+    refused = (
+        select(Task.id)
+        .where(
+            *due, Task.concurrency_key.is_not(None), Task.concurrency_held.is_(False),
+            ~func.pgtask.concurrency_admits(Task.id, type_=Boolean),
+        )
+        .limit(KEY_WAITING_MAX)
+        .subquery()
+    )
     return select(
         queue.c.queue,
         depth.label("depth"),
         func.coalesce(func.extract("epoch", NOW - oldest), 0).label("age"),
+        select(func.count()).select_from(refused).scalar_subquery().label("key_waiting"),
     )
 
 
@@ -67,7 +81,8 @@ def _backlog_statement() -> Select[Any]:
 #: oldest of them fell due (``age``, 0 when none is due). Locks nothing. Each queue costs two
 #: probes of ``ix_tasks_pending_run_at`` (queue, run_at) WHERE state = 'pending': the count
 #: reads the due range of the index, the minimum its first entry; future tasks, running and
-#: finished history are never read.
+#: finished history are never read. ``key_waiting``: the due tasks the claim passes over for
+#: their concurrency key (at most `KEY_WAITING_MAX`).
 QUEUE_BACKLOG: Final = _backlog_statement()
 
 
@@ -148,6 +163,11 @@ class Metrics:
             "Seconds since the queue's oldest due pending task fell due (sampled; 0: none).",
             ("queue",), registry=registry,
         )
+        self.key_waiting = Gauge(
+            "pgtask_queue_concurrency_key_waiting",
+            "Due pending tasks waiting for their concurrency key (sampled; at most 10,000).",
+            ("queue",), registry=registry,
+        )
 
 
 async def sample_backlog(
@@ -175,6 +195,7 @@ async def sample_backlog(
             for row in rows:
                 metrics.depth.labels(row.queue).set(row.depth)
                 metrics.oldest.labels(row.queue).set(float(row.age))
+                metrics.key_waiting.labels(row.queue).set(row.key_waiting)
         await asyncio.sleep(interval)
 
 

@@ -81,14 +81,20 @@ class Registration:
             for capability in self._capabilities:
                 row = frozen[(capability.queue, capability.name, capability.version)]
                 retry = RetryPolicy.from_row(row)
-                if retry != capability.retry or row.max_attempts != capability.max_attempts:
+                stored_keys = (row.concurrency_limit, row.concurrency_scope)
+                own_keys = (capability.concurrency_limit, capability.concurrency_scope)
+                if (
+                    retry != capability.retry or row.max_attempts != capability.max_attempts
+                    or stored_keys != own_keys
+                ):
                     # max_attempts is never NULL here: registering froze a missing one.
                     raise PolicyConflict(
                         f"{capability.name!r} version {capability.version} on queue "
-                        f"{capability.queue!r} has the retry policy {retry} and max_attempts "
-                        f"{row.max_attempts} in the database, but this worker registers "
-                        f"{capability.retry} and max_attempts {capability.max_attempts}; "
-                        "policies are immutable, so register the new policy under a new version"
+                        f"{capability.queue!r} has the retry policy {retry}, max_attempts "
+                        f"{row.max_attempts} and concurrency (limit, scope) {stored_keys} in "
+                        f"the database, but this worker registers {capability.retry}, "
+                        f"max_attempts {capability.max_attempts} and {own_keys}; policies "
+                        "are immutable, so register the new policy under a new version"
                     )
             worker: statements.RegisterParams = {
                 "worker_id": self._worker_id,

@@ -129,10 +129,9 @@ class Worker:
 
         self._connections = {"claim": held(), "write": held(None), "control": held(),
                              "maintenance": held(None)}
-        capabilities = [
-            Capability(d.queue, d.name, d.version, d.retry, d.max_attempts, d.timeout)
-            for d in served
-        ]
+        capabilities = [Capability(
+            d.queue, d.name, d.version, d.retry, d.max_attempts, d.timeout, d.concurrency_limit,
+            d.concurrency_scope) for d in served]
         self._wake = asyncio.Event()
         self._book = AttemptBook(
             options.concurrency, self._wake, backlog=options.concurrency + options.prefetch

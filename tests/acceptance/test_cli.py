@@ -401,6 +401,8 @@ def test_task_list_prints_the_newest_tasks_first_one_line_each(
         (["--name", "job", "--state", "pending", "--queue", "default"], ["newest"]),
         (["--limit", "2"], ["newest", "middle"]),
         (["--queue", "nothing-here"], []),
+        (["--key", "customer-1"], ["middle"]),
+        (["--key", "customer-1", "--name", "job"], []),
     ],
 )
 def test_task_list_filters(
@@ -408,7 +410,7 @@ def test_task_list_filters(
 ) -> None:
     ids = {
         "oldest": db.enqueue("job", {}, queue="emails")[0],
-        "middle": db.enqueue("job-sync", {})[0],
+        "middle": db.enqueue("job-sync", {}, concurrency_key="customer-1")[0],
         "newest": db.enqueue("job", {})[0],
     }
     db.execute("UPDATE pgtask.tasks SET state = 'succeeded', completed_at = now() WHERE id = :id",

@@ -8,12 +8,14 @@ import re
 import uuid
 from collections.abc import Callable
 
+from sqlalchemy import Engine
 from starlette.testclient import TestClient
 
 from sqlalchemy_pgtask import explain
 from tests.dashboard.conftest import Shared
 from tests.dashboard.seed import XSS_ERROR
 from tests.dashboard.test_task_detail_durable import section, task_page, text_of
+from tests.support import durable
 
 
 def reasons_on(page: str) -> list[tuple[str, str]]:
@@ -56,3 +58,22 @@ def test_a_failed_task_gives_its_error_as_text(
     assert XSS_ERROR in reasons[0][1]
     assert "<img" not in section(page, "explain")
     assert reasons == expected(shared, shared.seeded.failed)
+
+
+def test_a_keyed_task_shows_its_key_its_holders_and_why_it_waits(
+    pgtask_engine: Engine, client_for: Callable[..., TestClient]
+) -> None:
+    with pgtask_engine.execution_options(isolation_level="AUTOCOMMIT").connect() as conn:
+        holder = durable.add_task(conn, concurrency_key="tenant-7", concurrency_limit=1)
+        waiter = durable.add_task(conn, concurrency_key="tenant-7", concurrency_limit=1)
+        durable.claim_one(conn)
+
+    page = task_page(client_for(), waiter)
+
+    shown = re.search(r'<dd data-testid="concurrency-key">(.*?)</dd>', page, re.S)
+    assert shown is not None
+    assert "tenant-7" in shown.group(1)
+    assert "limit 1" in shown.group(1)
+    assert f'href="/tasks/{holder}"' in shown.group(1)
+    reasons = dict(reasons_on(page))
+    assert f"held by task {holder}, limit 1" in reasons["concurrency_key"]

@@ -509,6 +509,26 @@ def test_a_child_cancelled_with_its_parent_names_the_ancestor(
     assert f"because its ancestor {parent} finished first" in reason.message
 
 
+def test_a_task_behind_its_full_concurrency_key_names_the_holder_and_the_limit(
+    pgtask_engine: Engine, conn: Connection
+) -> None:
+    holder = durable.add_task(conn, concurrency_key="customer-42")
+    waiter = durable.add_task(conn, concurrency_key="customer-42")
+    lease = durable.claim_one(conn)
+    assert lease.task_id == holder
+
+    codes = explained(pgtask_engine, waiter).codes
+    reason = explained(pgtask_engine, waiter).reasons[-1]
+
+    assert "ready" not in codes
+    assert reason.code == "concurrency_key"
+    assert reason.message == (
+        f"waiting for concurrency key 'customer-42' (held by task {holder}, limit 1)"
+    )
+    durable.complete(conn, lease)
+    assert "concurrency_key" not in explained(pgtask_engine, waiter).codes
+
+
 def test_every_reason_code_is_asserted_by_a_test_here() -> None:
     """A code added to `REASON_CODES` without a test of its own fails this."""
     source = inspect.getsource(sys.modules[__name__])

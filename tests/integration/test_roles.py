@@ -565,7 +565,7 @@ def test_the_documented_revoke_takes_every_privilege_away(
         assert privileges_of(connection, role)
         for statement in (  # as docs/roles.md says
             f"REVOKE ALL ON ALL TABLES IN SCHEMA pgtask FROM {role}",
-            f"REVOKE EXECUTE ON FUNCTION pgtask.now() FROM {role}",
+            f"REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA pgtask FROM {role}",
             f"REVOKE USAGE ON SCHEMA pgtask FROM {role}",
         ):
             ddl(connection, statement)

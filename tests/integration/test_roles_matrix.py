@@ -38,7 +38,7 @@ EXPECTED: dict[str, tuple[str, ...]] = {
         *_COMMON,
         "tasks: SELECT",
         "tasks: INSERT (id queue name version payload headers priority max_attempts run_at"
-        " timeout_seconds idempotency_key)",
+        " timeout_seconds idempotency_key concurrency_key concurrency_limit)",
         "idempotency_keys: SELECT",
         "idempotency_keys: INSERT (queue key task_id)",
         "idempotency_keys: UPDATE (task_id created_at expires_at)",
@@ -51,13 +51,15 @@ EXPECTED: dict[str, tuple[str, ...]] = {
     ),
     "worker": (
         *_COMMON,
+        "function pgtask.concurrency_admits(uuid): EXECUTE",
         "tasks: SELECT",
         "tasks: INSERT (id queue name version payload headers priority max_attempts run_at"
-        " timeout_seconds parent_id schedule_name scheduled_for)",
+        " timeout_seconds parent_id schedule_name scheduled_for concurrency_key"
+        " concurrency_limit)",
         "tasks: UPDATE (state run_at attempt failed_attempts max_attempts lease_token"
         " lease_owner lease_expires_at cancel_requested_at result error completed_at"
         " updated_at has_children retry_kind retry_base_seconds retry_factor"
-        " retry_max_seconds retry_jitter)",
+        " retry_max_seconds retry_jitter concurrency_held)",
         "tasks: DELETE",
         "attempts: SELECT",
         "attempts: INSERT",
@@ -89,7 +91,7 @@ EXPECTED: dict[str, tuple[str, ...]] = {
         "schedules: INSERT",
         "schedules: UPDATE (cron interval_seconds timezone misfire catch_up_limit overlap queue"
         " task_name version payload headers priority max_attempts timeout_seconds declared"
-        " next_run_at last_task_id last_error updated_at)",
+        " next_run_at last_task_id last_error updated_at concurrency_key concurrency_limit)",
     ),
     "observer": (*_COMMON, *_READ),
     "admin": (

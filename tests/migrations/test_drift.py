@@ -30,7 +30,7 @@ _REVISIONS = (
     "pgtask_0007_task_list", "pgtask_0008_written_checks", "pgtask_0009_attempts_unlocked",
     "pgtask_0010_snapshot_capacity", "pgtask_0011_signals_immutable", "pgtask_0012_inserted_checks",
     "pgtask_0013_one_walk_cascade", "pgtask_0014_least_privilege",
-    "pgtask_0015_roles_closed",
+    "pgtask_0015_roles_closed", "pgtask_0016_concurrency_keys",
 )
 
 

@@ -249,6 +249,8 @@ def spawn(
         "child_headers": row.headers, "child_priority": row.priority,
         "child_max_attempts": row.max_attempts, "child_run_at": row.run_at,
         "child_delay": row.delay, "child_timeout": row.timeout,
+        "child_concurrency_key": row.concurrency_key,
+        "child_concurrency_limit": row.concurrency_limit,
     }
     return conn.execute(st.SPAWN, bound).one()
 

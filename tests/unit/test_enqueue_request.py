@@ -30,7 +30,7 @@ def test_every_argument_lands_in_its_field() -> None:
         "name": "emails.send", "payload": {"to": "a@example.com"}, "queue": "emails",
         "version": 3, "run_at": None, "delay": timedelta(seconds=5), "priority": -2,
         "max_attempts": 4, "idempotency_key": "order-1", "headers": {"trace": "t"},
-        "timeout": 9.5,
+        "timeout": 9.5, "concurrency_key": "customer-1", "concurrency_limit": 2,
     }
     request = EnqueueRequest(**values)  # type: ignore[arg-type]
     assert dataclasses.asdict(request) == values

@@ -68,7 +68,7 @@ DURABLE_FENCED = {
     "SPAWN": {
         "child_id", "child_queue", "child_name", "child_version", "child_payload",
         "child_headers", "child_priority", "child_max_attempts", "child_run_at", "child_delay",
-        "child_timeout",
+        "child_timeout", "child_concurrency_key", "child_concurrency_limit",
     },
     "REGISTER_SIGNAL_WAIT": {"signal", "signal_occurrence", "timeout"},
     "REGISTER_RESULT_WAIT": {"child_id", "timeout"},
