@@ -51,10 +51,10 @@ __all__ = [
 _INDENT: Final = "  "
 #: Error-document keys rendered by `_error_lines` itself; the rest are listed after them.
 _ERROR_KEYS: Final = frozenset({"type", "exception", "message", "traceback"})
-#: `TaskDetail` fields shown as sections of their own, not as the task's fields.
-_RELATED: Final = (  # the *_omitted are always 0 here: it reads every attempt, step and child
-    "attempts", "steps", "wait", "children", "parent", "concurrency_holders",
-    "attempts_omitted", "steps_omitted", "children_omitted")
+#: `TaskDetail` fields shown as sections of their own, not as the task's fields (the
+#: ``*_omitted`` counts, always 0 here: the command reads every attempt, step and child).
+_RELATED: Final = ("attempts", "steps", "wait", "children", "parent", "concurrency_holders",
+                   "attempts_omitted", "steps_omitted", "children_omitted")
 #: A step's value longer than this (as JSON) is cut in the text output; ``--json`` has it all.
 _STEP_VALUE_WIDTH: Final = 120
 
@@ -262,6 +262,12 @@ def _durable_sections(task: TaskDetail) -> list[str]:
     return out
 
 
+def _key(task: TaskDetail) -> str | None:
+    holders = ", ".join(map(str, task.concurrency_holders)) or "nobody"
+    limit = task.concurrency_limit or "the handler's"
+    return task.concurrency_key and f"{task.concurrency_key!r} (limit {limit}; held by {holders})"
+
+
 def task_detail_lines(task: TaskDetail) -> list[str]:
     """``pgtask task show``: the task's fields (its wait and parent among them), its
     documents, its error, then its children, its steps and each attempt."""
@@ -271,11 +277,8 @@ def task_detail_lines(task: TaskDetail) -> list[str]:
         ("run_at", task.run_at), ("attempt", task.attempt),
         ("failed_attempts", task.failed_attempts),
         ("max_attempts", task.max_attempts or "the handler's (set at the first claim)"),
-        ("retry", _retry(task)),
-        ("idempotency_key", task.idempotency_key), ("parent", _parent(task)),
-        ("concurrency_key", task.concurrency_key and (
-            f"{task.concurrency_key!r} (limit {task.concurrency_limit or 'of its handler'}; held"
-            f" by {', '.join(map(str, task.concurrency_holders)) or 'nobody'})")),
+        ("retry", _retry(task)), ("idempotency_key", task.idempotency_key),
+        ("parent", _parent(task)), ("concurrency_key", _key(task)),
         ("lease_owner", task.lease_owner), ("lease_expires_at", task.lease_expires_at),
         ("cancel_requested_at", task.cancel_requested_at), ("created_at", task.created_at),
         ("updated_at", task.updated_at), ("completed_at", task.completed_at),

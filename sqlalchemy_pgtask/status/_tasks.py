@@ -287,3 +287,5 @@ def _holders(connection: Connection, row: Any) -> tuple[uuid.UUID, ...]:
         .order_by(Task.id)
         .limit(_HOLDERS_SHOWN)
     ).scalars())
+
+

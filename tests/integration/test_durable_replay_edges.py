@@ -118,10 +118,14 @@ async def test_a_replay_mismatch_fails_the_task_at_once(
     # policy until max_attempts ran out. A handler that wraps it in its own error changes
     # nothing (an explicit Retry would be obeyed: tests/unit/test_decide.py).
     registry = Registry()
+    # The attempts the handler ran in: a claim cut short under load hands its task back
+    # unrun, spending an attempt number, so "the first run" is not ``ctx.attempt == 1``.
+    runs: list[int] = []
 
     @registry.task("changed", max_attempts=5, retry=AGAIN)
     async def changed(ctx: TaskContext, payload: None) -> str:
-        if ctx.attempt == 1:
+        runs.append(ctx.attempt)
+        if len(runs) == 1:
             await ctx.step("charge", lambda: "charged")
             raise RuntimeError("fails once, so the next attempt replays")
         try:
@@ -134,7 +138,9 @@ async def test_a_replay_mismatch_fails_the_task_at_once(
 
     task_id = await add(pgtask_async_engine, "changed")
     row = await _failed_at_once(registry, pgtask_database_url, pgtask_async_engine, task_id)
-    assert (row["state"], row["attempt"]) == ("failed", 2)
+    # Failed by the run that met the mismatch, never retried after it.
+    assert len(runs) == 2
+    assert (row["state"], row["attempt"]) == ("failed", runs[-1])
     assert row["error"]["type"] == "replay_mismatch"
     assert row["error"]["exception"] == (
         "LookupError" if wrapped else "sqlalchemy_pgtask.errors.ReplayMismatch"
