@@ -34,10 +34,11 @@ row, can release nothing.
   materialisation writes them. The downgrade's dropped columns take their grants along.
 * ``tasks_concurrency_grant`` (BEFORE UPDATE, a keyed task becoming running): two claims that
   both read a key as free must not both take it, so a grant takes a transaction-level
-  advisory lock of the key (``pg_try_advisory_xact_lock``, never waiting) and asks
-  ``concurrency_admits`` again with a fresh snapshot; a key another claim is granting, or no
-  longer free, skips the row (the claim returns without it; a later claim takes it). Running
-  clears ``concurrency_held``: the state now holds the key.
+  advisory lock of the key (``pg_try_advisory_xact_lock``, never waiting) and counts the
+  key's holders again with a fresh snapshot; a key another claim is granting, or at its
+  limit, skips the row (the claim returns without it; a later claim takes it). Only the
+  limit is checked again: the order within a key is the claim's. Running clears
+  ``concurrency_held``: the state now holds the key.
 * ``tasks_concurrency_release`` (BEFORE UPDATE, a held task finishing) clears
   ``concurrency_held``, so a finished task never holds its key.
 """
@@ -126,6 +127,9 @@ BEGIN
 END $$;
 
 CREATE FUNCTION pgtask.concurrency_grant() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pgtask, pg_temp AS $$
+DECLARE
+    lim integer := NEW.concurrency_limit;
+    holders integer;
 BEGIN
     NEW.concurrency_held := false;
     IF OLD.concurrency_held THEN  -- held across a durable suspension: it has the key
@@ -141,9 +145,22 @@ BEGIN
     ) THEN
         RETURN NULL;
     END IF;
-    -- A fresh snapshot: it sees grants committed since the claim's own, and the rows this
-    -- claim granted before this one.
-    IF NOT pgtask.concurrency_admits(NEW.id) THEN
+    IF lim IS NULL THEN
+        SELECT p.concurrency_limit INTO lim FROM pgtask.handler_policies AS p
+        WHERE p.queue = NEW.queue AND p.name = NEW.name AND p.version = NEW.version;
+        lim := coalesce(lim, 1);
+    END IF;
+    -- The limit, counted with a fresh snapshot: it sees grants committed since the claim's
+    -- own, and the rows this claim granted before this one. Only the limit is checked again
+    -- here; the order within the key is the claim's (concurrency_admits), which a grant
+    -- racing another claim cannot break beyond the key's limit.
+    SELECT count(*) INTO holders FROM (
+        SELECT 1 FROM pgtask.tasks AS h
+        WHERE h.queue = NEW.queue AND h.name = NEW.name AND h.concurrency_key = NEW.concurrency_key
+          AND h.concurrency_key IS NOT NULL AND (h.state = 'running' OR h.concurrency_held)
+        LIMIT lim
+    ) AS held;
+    IF holders >= lim THEN
         RETURN NULL;
     END IF;
     RETURN NEW;
