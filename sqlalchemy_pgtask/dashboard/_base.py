@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse
 
 from sqlalchemy_pgtask import status
+from sqlalchemy_pgtask.dashboard._chart_cache import ChartCache
 from sqlalchemy_pgtask.dashboard._live import (
     FRAGMENT_HEADER,
     FRAGMENT_VALUE,
@@ -88,6 +89,8 @@ class Dashboard:
         self.templates.filters["when"] = _when
         self.templates.filters["state"] = _state
         self.router: Starlette | None = None
+        #: The overview charts' closed buckets, kept between requests (`_chart_cache`).
+        self.chart_cache = ChartCache()
 
     # -- database -----------------------------------------------------------------------
 

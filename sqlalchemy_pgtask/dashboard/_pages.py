@@ -109,7 +109,9 @@ async def overview(dashboard: Dashboard, request: Request) -> Response:
         outstanding = {q.name: q.pending + q.running + q.waiting for q in queues}
         return {
             "queues": queues,
-            "charts": queue_charts(connection, WINDOWS[chart], outstanding),
+            "charts": queue_charts(
+                connection, WINDOWS[chart], outstanding, dashboard.chart_cache
+            ),
             "settings": {q.name: q for q in list_queues(connection)},
             "throughput": throughput(connection),
             "unroutable": status.unroutable(connection, per_queue=UNROUTABLE_PER_QUEUE),
