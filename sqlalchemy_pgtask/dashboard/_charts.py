@@ -25,6 +25,7 @@ retention shorter than the window) makes the older buckets read low.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -245,11 +246,16 @@ _WIDTH: Final = 240
 _HEIGHT: Final = 56
 
 
-def _label(start: datetime | None, window: ChartWindow, bucket: int) -> str:
+@functools.lru_cache(maxsize=8)
+def _labels(start: datetime | None, window: ChartWindow) -> tuple[str, ...]:
+    # Every chart of a page shares the window's labels: formatted once, not once per bar.
     if start is None:
-        return f"bucket {bucket + 1}"
-    at = start + timedelta(seconds=bucket * window.bucket_seconds)
-    return at.astimezone(timezone.utc).strftime("%H:%M UTC")
+        return tuple(f"bucket {bucket + 1}" for bucket in range(window.buckets))
+    return tuple(
+        (start + timedelta(seconds=bucket * window.bucket_seconds))
+        .astimezone(timezone.utc).strftime("%H:%M UTC")
+        for bucket in range(window.buckets)
+    )
 
 
 def bars_svg(
@@ -260,6 +266,7 @@ def bars_svg(
     time and count, the chart's ``data-total`` the sum; a scale of the largest bar."""
     top = max(values, default=0)
     step = _WIDTH / max(len(values), 1)
+    labels = _labels(start, window)
     parts = []
     for bucket, value in enumerate(values):
         if value == 0:
@@ -268,7 +275,7 @@ def bars_svg(
         parts.append(
             f'<rect x="{bucket * step:.2f}" y="{_HEIGHT - height:.2f}" '
             f'width="{max(step - 0.5, 0.5):.2f}" height="{height:.2f}">'
-            f"<title>{_label(start, window, bucket)}: {value} {escape(what)}</title></rect>"
+            f"<title>{labels[bucket]}: {value} {escape(what)}</title></rect>"
         )
     total = sum(values)
     return _svg(kind, f"{total} {what} in the {window.label}, at most {top} a bucket",
