@@ -61,13 +61,14 @@ class ChartCache:
         with self._lock:
             return sum(span.entries() for span in self._spans.values())
 
-    def read(self, window: str, first: int, end: int) -> dict[int, dict[str, Counts]]:
-        """The cached counts of the buckets ``[first, end)`` of ``window`` (a copy)."""
+    def view(self, window: str) -> tuple[int, int, dict[int, dict[str, Counts]]] | None:
+        """The cached span of ``window``, ``(first, end, buckets)``, copied in one step (a
+        request merges what it saw, whatever other requests store meanwhile), or None."""
         with self._lock:
             found = self._spans.get(window)
             if found is None:
-                return {}
-            return {b: dict(q) for b, q in found.buckets.items() if first <= b < end}
+                return None
+            return found.first, found.end, {b: dict(q) for b, q in found.buckets.items()}
 
     def store(
         self, window: str, *, used: tuple[int, int] | None, first: int, read_from: int,

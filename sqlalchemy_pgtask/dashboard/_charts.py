@@ -161,7 +161,8 @@ def queue_charts(
     ``cache``, the closed buckets it holds are not read again, and those read are kept.
     """
     secs = window.bucket_seconds
-    used = None if cache is None else cache.span(window.name)
+    cached = None if cache is None else cache.view(window.name)
+    used = None if cached is None else cached[:2]
     params = {
         "secs": secs, "n": window.buckets,
         "cached_from": None if used is None else used[0] * secs,
@@ -184,7 +185,9 @@ def queue_charts(
     read_from = round(head.read_from) // secs
     frozen = {b: {q: cast(Counts, tuple(c)) for q, c in queues.items()}
               for b, queues in read.items()}
-    known = {} if cache is None else cache.read(window.name, first, read_from)
+    known = {} if cached is None else {
+        b: q for b, q in cached[2].items() if first <= b < read_from
+    }
     if cache is not None:
         # Buckets that ended a grace ago: their rows are all committed (see _chart_cache).
         closed_end = int((head.now - CLOSED_GRACE_SECONDS) // secs)
