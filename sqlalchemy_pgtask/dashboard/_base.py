@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse
 
 from sqlalchemy_pgtask import status
+from sqlalchemy_pgtask.dashboard._chart_cache import ChartCache
 from sqlalchemy_pgtask.dashboard._live import (
     FRAGMENT_HEADER,
     FRAGMENT_VALUE,
@@ -60,6 +61,10 @@ def _state(value: str) -> Markup:
 _READ_TIMEOUT_MS: Final = "10000"
 
 
+# Stands for a task id in the task route's path (`Dashboard.url`); no id looks like it.
+_ID_MARK: Final = "\x00task-id\x00"
+
+
 class NotFound(Exception):
     """A page for something that does not exist (a task id that matches no task)."""
 
@@ -88,6 +93,9 @@ class Dashboard:
         self.templates.filters["when"] = _when
         self.templates.filters["state"] = _state
         self.router: Starlette | None = None
+        self._task_path: tuple[str, ...] | None = None
+        #: The overview charts' closed buckets, kept between requests (`_chart_cache`).
+        self.chart_cache = ChartCache()
 
     # -- database -----------------------------------------------------------------------
 
@@ -138,6 +146,16 @@ class Dashboard:
         """
         assert self.router is not None
         root = str(request.scope.get("root_path") or "").rstrip("/")
+        task_id = str(params.get("task_id", ""))
+        if name == "task" and len(params) == 1 and task_id and "/" not in task_id:
+            # A long workflow's page links a few hundred tasks: the route's path is resolved
+            # once (Starlette walks every route per call) and the id put in its place.
+            if self._task_path is None:
+                self._task_path = tuple(
+                    str(self.router.url_path_for(name, task_id=_ID_MARK)).split(_ID_MARK)
+                )
+            prefix, suffix = self._task_path
+            return f"{root}{prefix}{task_id}{suffix}"
         return root + str(self.router.url_path_for(name, **params))
 
     @staticmethod

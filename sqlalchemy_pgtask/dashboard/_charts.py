@@ -13,6 +13,11 @@ history:
 
 The outstanding tasks per queue now are the overview's own counts, in the same snapshot.
 
+With the dashboard's `ChartCache`, both ranges start at the first bucket the cache does not
+hold (the open one, once the closed ones are cached): the statement reads the last bucket's
+rows, not the window's, and the closed buckets come from the process's memory. What that can
+leave stale is in docs/dashboard.md (Charts).
+
 Depth is not stored over time: a bucket's is the depth now, less the tasks created after
 the bucket, plus those finished after it. A finished task deleted within the window (a
 retention shorter than the window) makes the older buckets read low.
@@ -20,14 +25,16 @@ retention shorter than the window) makes the older buckets read low.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Final
+from typing import Final, cast
 
 from markupsafe import Markup, escape
 from sqlalchemy import Connection, text
 
+from sqlalchemy_pgtask.dashboard._chart_cache import CLOSED_GRACE_SECONDS, ChartCache, Counts
 from sqlalchemy_pgtask.states import TERMINAL_STATES
 from sqlalchemy_pgtask.status._overview import queue_skip_scan
 
@@ -70,31 +77,47 @@ _START_EPOCH: Final = "((floor(date_part('epoch', pgtask.now()) / :secs) - :n + 
 _START: Final = f"to_timestamp({_START_EPOCH})"
 
 
+# The buckets already cached (`ChartCache`) are not read: the ranges start at the first
+# bucket not cached, provided the cache starts at or before the window's start and ends in it,
+# after it and no later than the open bucket (else a clock stepped back: read the window).
+_OPEN_EPOCH: Final = "(floor(date_part('epoch', pgtask.now()) / :secs) * :secs)"
+_FROM_EPOCH: Final = (
+    f"(CASE WHEN CAST(:cached_from AS float8) <= {_START_EPOCH}"
+    f" AND CAST(:cached_to AS float8) > {_START_EPOCH}"
+    f" AND CAST(:cached_to AS float8) <= {_OPEN_EPOCH}"
+    f" THEN CAST(:cached_to AS float8) ELSE {_START_EPOCH} END)"
+)
+_FROM: Final = f"to_timestamp({_FROM_EPOCH})"
+
+
 def _bucket(column: str) -> str:
-    return f"floor((date_part('epoch', {column}) - {_START_EPOCH}) / :secs)::int"
+    # Absolute bucket numbers, so that a cached bucket keeps its number as the window moves.
+    return f"floor(date_part('epoch', {column}) / :secs)::bigint"
 
 
 # Every interpolated piece is a constant of this module (states, limits, expressions of
 # parameters): no input reaches the text.
 _STATEMENT: Final = text(f"""
 WITH RECURSIVE queues AS ({queue_skip_scan(TERMINAL_STATES)})
-SELECT 'finished' AS kind, q.queue, f.bucket, f.succeeded, f.failed, f.cancelled,
-       {_START} AS start
+SELECT 'window' AS kind, NULL AS queue, NULL::bigint AS bucket, 0::bigint AS succeeded,
+       0::bigint AS failed, 0::bigint AS cancelled, {_START} AS start,
+       {_FROM_EPOCH} AS read_from, date_part('epoch', pgtask.now()) AS now
+UNION ALL
+SELECT 'finished', q.queue, f.bucket, f.succeeded, f.failed, f.cancelled, NULL, NULL, NULL
 FROM queues AS q CROSS JOIN LATERAL (
     SELECT {_bucket('t.completed_at')} AS bucket,
            count(*) FILTER (WHERE t.state = 'succeeded') AS succeeded,
            count(*) FILTER (WHERE t.state = 'failed') AS failed,
            count(*) FILTER (WHERE t.state = 'cancelled') AS cancelled
     FROM pgtask.tasks AS t
-    WHERE t.queue = q.queue AND t.state IN ({_TERMINAL}) AND t.completed_at >= {_START}
+    WHERE t.queue = q.queue AND t.state IN ({_TERMINAL}) AND t.completed_at >= {_FROM}
     GROUP BY 1
 ) AS f
 WHERE q.queue IS NOT NULL
 UNION ALL
-SELECT 'created', t.queue, {_bucket('t.created_at')},
-       count(*), 0, 0, {_START}
+SELECT 'created', t.queue, {_bucket('t.created_at')}, count(*), 0, 0, NULL, NULL, NULL
 FROM pgtask.tasks AS t
-WHERE t.created_at >= {_START}
+WHERE t.created_at >= {_FROM}
 GROUP BY 2, 3
 """)  # noqa: S608 (constants only)
 
@@ -128,14 +151,56 @@ class Charts:
 
 
 def queue_charts(
-    connection: Connection, window: ChartWindow, outstanding: Mapping[str, int]
+    connection: Connection, window: ChartWindow, outstanding: Mapping[str, int],
+    cache: ChartCache | None = None,
 ) -> Charts:
     """Per queue, finished, failed and depth over ``window``: one statement (see above).
 
     ``outstanding`` is each queue's pending, running and waiting tasks now, read in the same
-    snapshot (the overview has counted them already): the depth's last value.
+    snapshot (the overview has counted them already): the depth's last value. With a
+    ``cache``, the closed buckets it holds are not read again, and those read are kept.
     """
-    params = {"secs": window.bucket_seconds, "n": window.buckets}
+    secs = window.bucket_seconds
+    cached = None if cache is None else cache.view(window.name)
+    used = None if cached is None else cached[:2]
+    params = {
+        "secs": secs, "n": window.buckets,
+        "cached_from": None if used is None else used[0] * secs,
+        "cached_to": None if used is None else used[1] * secs,
+    }
+    read: dict[int, dict[str, list[int]]] = {}
+    head = None
+    for row in connection.execute(_STATEMENT, params):
+        if row.kind == "window":
+            head = row
+            continue
+        found = read.setdefault(row.bucket, {}).setdefault(row.queue, [0, 0, 0, 0])
+        if row.kind == "created":
+            found[3] += row.succeeded
+        else:
+            for at, key in enumerate(("succeeded", "failed", "cancelled")):
+                found[at] += getattr(row, key)
+    assert head is not None  # the statement's first row, always there
+    first = round(head.start.timestamp()) // secs
+    read_from = round(head.read_from) // secs
+    frozen = {b: {q: cast(Counts, tuple(c)) for q, c in queues.items()}
+              for b, queues in read.items()}
+    known = {} if cached is None else {
+        b: q for b, q in cached[2].items() if first <= b < read_from
+    }
+    if cache is not None:
+        # Buckets that ended a grace ago: their rows are all committed (see _chart_cache).
+        closed_end = int((head.now - CLOSED_GRACE_SECONDS) // secs)
+        cache.store(window.name, used=used, first=first, read_from=read_from,
+                    closed_end=max(read_from, min(closed_end, first + window.buckets)),
+                    read=frozen)
+    return _charts(window, head.start, outstanding, first, {**known, **frozen})
+
+
+def _charts(
+    window: ChartWindow, start: datetime, outstanding: Mapping[str, int], first: int,
+    buckets: Mapping[int, Mapping[str, Counts]],
+) -> Charts:
     size = window.buckets
     zeros = (0,) * size
     counts: dict[str, dict[str, list[int]]] = {}
@@ -145,19 +210,18 @@ def queue_charts(
             "succeeded", "failed", "cancelled", "created", "outstanding"
         )})
 
-    start: datetime | None = None
     for queue, now in outstanding.items():
         if now:
             series(queue)["outstanding"][0] = now
-    for row in connection.execute(_STATEMENT, params):
-        start = row.start
-        found = series(row.queue)
-        if 0 <= row.bucket < size:  # a clock step back could put a row past the window
-            if row.kind == "created":
-                found["created"][row.bucket] += row.succeeded
-            else:
-                for key in ("succeeded", "failed", "cancelled"):
-                    found[key][row.bucket] += getattr(row, key)
+    for bucket, queues in buckets.items():
+        at = bucket - first
+        if not 0 <= at < size:  # a clock step back could put a row past the window
+            continue
+        for queue, values in queues.items():
+            found = series(queue)
+            for key, value in zip(("succeeded", "failed", "cancelled", "created"), values,
+                                  strict=True):
+                found[key][at] += value
     charted = []
     for queue, found in counts.items():
         depth = [0] * size
@@ -173,7 +237,8 @@ def queue_charts(
         ))
     charted.sort(key=lambda q: (-(sum(q.finished) + max(q.depth)), q.queue))
     return Charts(
-        window=window, start=start, queues=tuple(charted[:CHARTED_QUEUES_MAX]),
+        window=window, start=start if charted else None,
+        queues=tuple(charted[:CHARTED_QUEUES_MAX]),
         more=max(0, len(charted) - CHARTED_QUEUES_MAX),
     )
 
@@ -184,11 +249,16 @@ _WIDTH: Final = 240
 _HEIGHT: Final = 56
 
 
-def _label(start: datetime | None, window: ChartWindow, bucket: int) -> str:
+@functools.lru_cache(maxsize=8)
+def _labels(start: datetime | None, window: ChartWindow) -> tuple[str, ...]:
+    # Every chart of a page shares the window's labels: formatted once, not once per bar.
     if start is None:
-        return f"bucket {bucket + 1}"
-    at = start + timedelta(seconds=bucket * window.bucket_seconds)
-    return at.astimezone(timezone.utc).strftime("%H:%M UTC")
+        return tuple(f"bucket {bucket + 1}" for bucket in range(window.buckets))
+    return tuple(
+        (start + timedelta(seconds=bucket * window.bucket_seconds))
+        .astimezone(timezone.utc).strftime("%H:%M UTC")
+        for bucket in range(window.buckets)
+    )
 
 
 def bars_svg(
@@ -199,6 +269,7 @@ def bars_svg(
     time and count, the chart's ``data-total`` the sum; a scale of the largest bar."""
     top = max(values, default=0)
     step = _WIDTH / max(len(values), 1)
+    labels = _labels(start, window)
     parts = []
     for bucket, value in enumerate(values):
         if value == 0:
@@ -207,7 +278,7 @@ def bars_svg(
         parts.append(
             f'<rect x="{bucket * step:.2f}" y="{_HEIGHT - height:.2f}" '
             f'width="{max(step - 0.5, 0.5):.2f}" height="{height:.2f}">'
-            f"<title>{_label(start, window, bucket)}: {value} {escape(what)}</title></rect>"
+            f"<title>{labels[bucket]}: {value} {escape(what)}</title></rect>"
         )
     total = sum(values)
     return _svg(kind, f"{total} {what} in the {window.label}, at most {top} a bucket",

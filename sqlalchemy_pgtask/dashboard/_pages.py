@@ -28,7 +28,7 @@ from sqlalchemy_pgtask.dashboard._queries import (
 from sqlalchemy_pgtask.dashboard._task_list import TaskFilters, task_page
 from sqlalchemy_pgtask.dashboard._timeline import TIMELINE_LIMIT, timeline
 from sqlalchemy_pgtask.errors import InvalidOptionError
-from sqlalchemy_pgtask.explain import explain
+from sqlalchemy_pgtask.explain.api import explain_knowing_latest_step
 from sqlalchemy_pgtask.queues import list_queues
 from sqlalchemy_pgtask.states import TASK_STATES
 
@@ -109,7 +109,9 @@ async def overview(dashboard: Dashboard, request: Request) -> Response:
         outstanding = {q.name: q.pending + q.running + q.waiting for q in queues}
         return {
             "queues": queues,
-            "charts": queue_charts(connection, WINDOWS[chart], outstanding),
+            "charts": queue_charts(
+                connection, WINDOWS[chart], outstanding, dashboard.chart_cache
+            ),
             "settings": {q.name: q for q in list_queues(connection)},
             "throughput": throughput(connection),
             "unroutable": status.unroutable(connection, per_queue=UNROUTABLE_PER_QUEUE),
@@ -175,7 +177,13 @@ async def task(dashboard: Dashboard, request: Request) -> Response:
         )
         if detail is None:
             return None
-        explanation = explain(connection, task_id)
+        # The steps are the newest, oldest first, read in this snapshot: the last is the
+        # checkpoint explain would read again (a second pass over all of a long workflow's).
+        latest = detail.steps[-1] if detail.steps else None
+        explanation = explain_knowing_latest_step(
+            connection, task_id,
+            None if latest is None else (latest.step, latest.kind, latest.value),
+        )
         return {
             "task": detail,
             "tree": task_tree(connection, detail),

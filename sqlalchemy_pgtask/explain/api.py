@@ -47,7 +47,7 @@ from sqlalchemy_pgtask._connection import (
     translated_errors,
 )
 from sqlalchemy_pgtask.errors import TaskNotFound
-from sqlalchemy_pgtask.explain.facts import read_facts
+from sqlalchemy_pgtask.explain.facts import LatestStep, StepReader, read_facts
 from sqlalchemy_pgtask.explain.keyed import key_reason, read_key
 from sqlalchemy_pgtask.explain.reasons import (
     REASON_CODES,
@@ -70,9 +70,11 @@ __all__ = [
 ]
 
 
-def _explained(connection: Connection, task_id: uuid.UUID) -> Explanation:
+def _explained(
+    connection: Connection, task_id: uuid.UUID, latest_step: StepReader | None = None
+) -> Explanation:
     with translated_errors(connection):
-        facts = read_facts(connection, task_id)
+        facts = read_facts(connection, task_id, latest_step)
         if facts is None:
             raise TaskNotFound(f"no task with id {task_id}")
         task = facts.task
@@ -99,6 +101,16 @@ def explain(bind: SyncBind, task_id: uuid.UUID | str) -> Explanation:
     """
     wanted = parse_task_id(task_id)
     return _explained(connection_of(bind, "explain"), wanted)
+
+
+def explain_knowing_latest_step(
+    connection: Connection, task_id: uuid.UUID, latest_step: LatestStep
+) -> Explanation:
+    """`explain` for a caller that read the task's newest checkpoint (``(step, kind, value)``,
+    None if it has none) in the same snapshot: the dashboard's task page, whose steps list
+    holds it, saves a second read of every checkpoint of a long workflow (no index orders
+    them by time). Not exported: the caller must guarantee the snapshot."""
+    return _explained(connection, task_id, lambda _connection, _task: latest_step)
 
 
 async def explain_async(bind: AsyncBind, task_id: uuid.UUID | str) -> Explanation:

@@ -10,6 +10,7 @@ read together with ``pgtask.now()``, and a rate bucket's refill is computed by t
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Final
@@ -153,7 +154,14 @@ def _readable(connection: Connection) -> dict[str, bool]:
     return {table: bool(row[i]) for i, table in enumerate(_GUARDED)}
 
 
-def _latest_step(connection: Connection, task_id: uuid.UUID) -> tuple[str, str, Any] | None:
+#: The newest checkpoint's (step, kind, value), or None: a task without one.
+LatestStep = tuple[str, str, Any] | None
+#: How `read_facts` finds a task's newest checkpoint (a caller that read it already in the same
+#: snapshot, the dashboard's task page, hands it over instead of a second full read).
+StepReader = Callable[[Connection, uuid.UUID], LatestStep]
+
+
+def _latest_step(connection: Connection, task_id: uuid.UUID) -> LatestStep:
     # The reverse of the order status shows steps in: the last of them is the latest.
     row = connection.execute(
         select(Checkpoint.step, Checkpoint.kind, Checkpoint.value)
@@ -277,7 +285,7 @@ def _cancel_entry(connection: Connection, task_id: uuid.UUID) -> tuple[str | Non
     return entry.actor, entry.reason
 
 
-def _pending(connection: Connection, task: Any) -> dict[str, Any]:
+def _pending(connection: Connection, task: Any, latest_step: StepReader) -> dict[str, Any]:
     readable = _readable(connection)
     settings = connection.execute(
         select(
@@ -300,7 +308,7 @@ def _pending(connection: Connection, task: Any) -> dict[str, Any]:
     live, serving = _workers(connection, task.queue)
     return {
         "capacity": capacity,
-        "latest_step": _latest_step(connection, task.id),
+        "latest_step": latest_step(connection, task.id),
         "pause": pause,
         "rate": rate,
         "handlers": _handlers(connection, task.queue, task.name),
@@ -337,8 +345,12 @@ def refill_time(rate: RateFacts, now: datetime) -> datetime | None:
     return now + timedelta(seconds=(1.0 - rate.available) * rate.period_seconds / rate.limit)
 
 
-def read_facts(connection: Connection, task_id: uuid.UUID) -> Facts | None:
-    """The facts about ``task_id``, or None if there is no such task. Locks nothing."""
+def read_facts(
+    connection: Connection, task_id: uuid.UUID, latest_step: StepReader | None = None
+) -> Facts | None:
+    """The facts about ``task_id``, or None if there is no such task. Locks nothing.
+
+    ``latest_step`` reads the newest checkpoint (by default, a top-1 read of the task's)."""
     task = connection.execute(
         select(
             Task.id, Task.queue, Task.name, Task.version, Task.state, Task.run_at,
@@ -352,7 +364,7 @@ def read_facts(connection: Connection, task_id: uuid.UUID) -> Facts | None:
         return None
     now: datetime = task.now
     if task.state == PENDING:
-        return Facts(task, now, **_pending(connection, task))
+        return Facts(task, now, **_pending(connection, task, latest_step or _latest_step))
     if task.state == WAITING:
         return Facts(task, now, wait=_wait(connection, task.id))
     if task.state == RUNNING:

@@ -7,11 +7,14 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, event, func, insert, update
 from starlette.testclient import TestClient
 
-from sqlalchemy_pgtask import explain
+from sqlalchemy_pgtask import enqueue, explain
+from sqlalchemy_pgtask.models import Checkpoint, Task
 from tests.dashboard.conftest import Shared
 from tests.dashboard.seed import XSS_ERROR
 from tests.dashboard.test_task_detail_durable import section, task_page, text_of
@@ -77,3 +80,44 @@ def test_a_keyed_task_shows_its_key_its_holders_and_why_it_waits(
     assert f'href="/tasks/{holder}"' in shown.group(1)
     reasons = dict(reasons_on(page))
     assert f"held by task {holder}, limit 1" in reasons["concurrency_key"]
+
+
+def test_a_sleeping_task_page_reads_its_checkpoints_once_and_explains_the_sleep(
+    pgtask_engine: Engine, client_for: Callable[..., TestClient]
+) -> None:
+    # The page hands its newest step to explain rather than explain reading every checkpoint
+    # of the task again (no index orders them by time: each read is a pass over all of them).
+    wake = datetime.now(timezone.utc).replace(microsecond=0) + timedelta(hours=1)
+    with pgtask_engine.begin() as connection:
+        task_id = enqueue(connection, "long.workflow", {}).id
+        connection.execute(update(Task).where(Task.id == task_id).values(run_at=wake))
+        for occurrence in range(3):
+            connection.execute(insert(Checkpoint).values(
+                task_id=task_id, version=1, step="step", occurrence=occurrence, kind="step",
+                value={"i": occurrence},
+                created_at=func.now() - timedelta(minutes=10 - occurrence),
+            ))
+        connection.execute(insert(Checkpoint).values(
+            task_id=task_id, version=1, step="nap", occurrence=0, kind="sleep",
+            value={"wake_at": wake.isoformat()}, created_at=func.now(),
+        ))
+    statements: list[str] = []
+
+    def seen(*args: Any) -> None:
+        statements.append(args[2])
+
+    event.listen(pgtask_engine, "before_cursor_execute", seen)
+    try:
+        page = client_for().get(f"/tasks/{task_id}")
+    finally:
+        event.remove(pgtask_engine, "before_cursor_execute", seen)
+    assert page.status_code == 200
+    ordered = [s for s in statements
+               if "FROM pgtask.checkpoints" in s and "created_at DESC" in s]
+    assert len(ordered) == 1, ordered
+    with pgtask_engine.connect() as connection:
+        explanation = explain(connection, task_id)
+    assert "sleeping" in {r.code for r in explanation.reasons}
+    assert reasons_on(page.text) == [
+        (r.code, f"{r.code} {r.message}") for r in explanation.reasons
+    ]
