@@ -3,8 +3,9 @@ the app served by uvicorn on a free port, and a real headless Chromium.
 
 The browser is Debian's ``chromium`` (``/usr/bin/chromium``), driven by Playwright: the
 machine has no internet, so Playwright's own browser download is never used. Without the
-browser the browser tests skip, unless ``PGTASK_REQUIRE_BROWSER=1`` (CI sets it): then they
-fail, so CI can never pass by skipping them.
+browser, or without Playwright (it comes with the ``[dev]`` extra, not ``[test]``), the
+browser tests skip, unless ``PGTASK_REQUIRE_BROWSER=1`` (CI sets it): then they fail, so CI
+can never pass by skipping them.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from importlib.util import find_spec
 from pathlib import Path
-from typing import Any, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import pytest
 import uvicorn
-from playwright.sync_api import Browser, Page, Playwright, sync_playwright
 from sqlalchemy import Engine, create_engine, func, select
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
@@ -30,6 +31,19 @@ from sqlalchemy_pgtask.models import AuditEntry, Task
 from sqlalchemy_pgtask.testing import ServerInfo, create_database, drop_database
 from tests.dashboard.seed import Seeded, seed
 from tests.support.waiting import wait_until
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser, Page, Playwright
+
+#: Whether Playwright (the ``[dev]`` extra) is installed: the browser test modules import it.
+HAVE_PLAYWRIGHT: Final = find_spec("playwright") is not None
+_REQUIRED: Final = os.environ.get("PGTASK_REQUIRE_BROWSER") == "1"
+if not HAVE_PLAYWRIGHT:
+    if _REQUIRED:
+        raise pytest.UsageError(
+            "PGTASK_REQUIRE_BROWSER=1 but Playwright is not installed: pip install -e '.[dev]'"
+        )
+    collect_ignore_glob = ["test_browser*.py"]
 
 CHROMIUM: Final = Path("/usr/bin/chromium")
 #: Flags for a sandboxed, offline CI machine: no GPU, no network of Chromium's own.
@@ -153,9 +167,11 @@ def live(pgtask_engine: Engine, seeded: Seeded) -> Iterator[str]:
 def playwright_instance() -> Iterator[Playwright]:
     if not CHROMIUM.exists():
         message = f"{CHROMIUM} is missing: apt-get install chromium"
-        if os.environ.get("PGTASK_REQUIRE_BROWSER") == "1":
+        if _REQUIRED:
             pytest.fail(f"PGTASK_REQUIRE_BROWSER=1 but {message}")
         pytest.skip(message)
+    from playwright.sync_api import sync_playwright
+
     with sync_playwright() as playwright:
         yield playwright
 
