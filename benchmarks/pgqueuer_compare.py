@@ -5,7 +5,9 @@ enqueues, enqueue-to-start latency and drains at concurrency 10 and 100, alterna
 
     python3 -m venv /tmp/pgq && /tmp/pgq/bin/pip install "pgqueuer==1.6.0" asyncpg uvloop
     .venv/bin/python benchmarks/pgqueuer_compare.py --pgqueuer-python /tmp/pgq/bin/python \\
-        [--database-url URL] [--rounds 3] [--only enqueue_single,enqueue_many,latency,...]
+        [--database-url URL] [--rounds 3] [--quick] [--only enqueue_single,latency,...]
+
+``benchmarks/compare.py`` runs this and ``dbos_compare.py`` and prints the issue's whole table.
 
 The performance issue's figures for PgQueuer (the fastest Python peer on PostgreSQL: asyncpg,
 no fencing, no attempt history) come from another host, and this host's figures swing with
@@ -17,7 +19,8 @@ measurement, its worker a ``QueueManager`` on asyncpg and uvloop:
   ``INSERT``: PgQueuer enqueues outside any transaction of the caller), and 20,000 in calls
   of 1,000 (one statement each), after 20 to warm up; tasks/s of the loop. Ours: ``run.py
   --only enqueue_single`` (``BEGIN``, the insert, ``COMMIT``: inside the caller's
-  transaction) / ``enqueue_many``.
+  transaction) / ``enqueue_many``. ``enqueue_session``: PgQueuer's single enqueue against
+  ``run.py --only enqueue_single_session`` (a ``Session`` per task, pool checkout included).
 * ``latency``: as ``run.py``'s ``latency``: a worker with ``batch_size=10`` (our concurrency
   10) idle for a second, a producer that enqueues one job every 20 ms on its own connection
   (an autocommit ``INSERT``); 20 warm-up jobs, then 200 timed from the producer's commit to
@@ -27,7 +30,13 @@ measurement, its worker a ``QueueManager`` on asyncpg and uvloop:
   dequeue; running jobs are not capped) and a no-op ``async`` handler drains them; tasks/s
   from the first handler start to the transaction time of the last acknowledgement (its
   ``pgqueuer_log`` row). Ours: ``run.py --only drain_c10_async`` / ``drain_c100_async``
-  (first attempt start to last completion, in database time).
+  (first attempt start to last completion, in database time). Both also give CPU per task:
+  the worker's (PgQueuer's counts itself from a start signal sent once it has connected, to
+  its exit; ours from its registration to the drained queue) plus every ``postgres``
+  process's on this host over the same span (``/proc``; other databases' load included).
+
+Rounds alternate which side goes first; ``--quick`` counts 500 single enqueues and drains
+5,000 jobs, one round.
 
 It prints each measurement as it goes, then the medians over the rounds.
 """
@@ -48,7 +57,18 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from _compare import (
+    Figures,
+    add_arguments,
+    pair,
+    run_ours,
+    run_rounds,
+    selected,
+    stop,
+    wait_until,
+)
 from _server import libpq_url, psycopg_url, server
+from run import postgres_cpu
 
 from sqlalchemy_pgtask.testing import create_database, drop_database
 
@@ -57,12 +77,14 @@ DRAIN = 20_000
 
 #: Run by ``--pgqueuer-python`` as ``MODE DSN ...``: ``install``; ``fill N``; ``enqueue N
 #: BATCH`` (prints the enqueue's tasks/s, each call its own autocommit statement); ``worker OUT
-#: READY TOTAL BATCH`` (handler start times to OUT once TOTAL jobs ran, READY once running);
+#: READY TOTAL BATCH GO`` (handler start times to OUT once TOTAL jobs ran, READY once running;
+#: GO ``-``, or a file it waits for after READY, then its CPU seconds from GO on to OUT.cpu,
+#: then it waits for GO.stop);
 #: ``produce OUT TOTAL GAP`` (commit times to OUT). Wall-clock times (``time.time``): the
 #: worker and the producer are two processes.
 PGQUEUER_SIDE = textwrap.dedent(
     """
-    import asyncio, json, sys, time
+    import asyncio, json, os, sys, time
     from datetime import timedelta
 
     import asyncpg, uvloop
@@ -90,7 +112,7 @@ PGQUEUER_SIDE = textwrap.dedent(
         await fill(dsn, count, batch)
         print(json.dumps({"tasks_per_s": count / (time.perf_counter() - start)}))
 
-    async def worker(dsn, out, ready, total, batch):
+    async def worker(dsn, out, ready, total, batch, go):
         qm = QueueManager(await queries(dsn))
         starts = {}
 
@@ -102,8 +124,20 @@ PGQUEUER_SIDE = textwrap.dedent(
                     json.dump(starts, f)
                 qm.shutdown.set()
 
-        asyncio.get_running_loop().call_later(0.5, lambda: open(ready, "w").close())
+        if go == "-":
+            asyncio.get_running_loop().call_later(0.5, lambda: open(ready, "w").close())
+        else:  # gated: connected and imported, it waits for GO so its CPU can be counted
+            open(ready, "w").close()
+            while not os.path.exists(go):
+                await asyncio.sleep(0.005)
+        cpu0 = time.process_time()
         await qm.run(batch_size=batch, dequeue_timeout=timedelta(seconds=30))
+        if go != "-":
+            with open(out + ".cpu", "w") as f:
+                f.write(str(time.process_time() - cpu0))
+            # Connected until GO.stop: the server's CPU is read while its backends live.
+            while not os.path.exists(go + ".stop"):
+                await asyncio.sleep(0.005)
 
     async def produce(dsn, out, total, gap):
         q = await queries(dsn)
@@ -127,7 +161,7 @@ PGQUEUER_SIDE = textwrap.dedent(
     elif mode == "enqueue":
         uvloop.run(timed_fill(dsn, int(rest[0]), int(rest[1])))
     elif mode == "worker":
-        uvloop.run(worker(dsn, rest[0], rest[1], int(rest[2]), int(rest[3])))
+        uvloop.run(worker(dsn, rest[0], rest[1], int(rest[2]), int(rest[3]), rest[4]))
     else:
         uvloop.run(produce(dsn, rest[0], int(rest[1]), float(rest[2])))
     """
@@ -137,13 +171,15 @@ PGQUEUER_SIDE = textwrap.dedent(
 class PgQueuer:
     """One PgQueuer measurement: a fresh database with its schema, and its processes."""
 
-    def __init__(self, python: str, server_url: str, tmp: Path) -> None:
+    def __init__(self, python: str, server_url: str, tmp: Path, drain: int = DRAIN) -> None:
         self.side = [python, "-c", PGQUEUER_SIDE]
         self.server_url = server_url
         self.tmp = tmp
-        self.starts, self.ready = tmp / "starts.json", tmp / "ready"
+        self.drain_count = drain
+        self.starts, self.ready, self.go = tmp / "starts.json", tmp / "ready", tmp / "go"
+        self.cpu = tmp / "starts.json.cpu"
 
-    def run(self, measure: Callable[[str], dict[str, float]]) -> dict[str, float]:
+    def run(self, measure: Callable[[str], Figures]) -> Figures:
         raw = create_database(self.server_url, "pgqueuer_compare")
         try:
             dsn = libpq_url(raw)
@@ -152,26 +188,28 @@ class PgQueuer:
         finally:
             drop_database(raw)
 
-    def start_worker(self, dsn: str, total: int, batch: int) -> subprocess.Popen[bytes]:
-        for path in (self.starts, self.ready):
+    def start_worker(
+        self, dsn: str, total: int, batch: int, gated: bool = False
+    ) -> subprocess.Popen[bytes]:
+        for path in (self.starts, self.ready, self.go, self.cpu, Path(f"{self.go}.stop")):
             path.unlink(missing_ok=True)
         return subprocess.Popen(
             [*self.side, "worker", dsn, str(self.starts), str(self.ready), str(total),
-             str(batch)],
+             str(batch), str(self.go) if gated else "-"],
             stdout=subprocess.DEVNULL,
         )
 
-    def latency(self, dsn: str) -> dict[str, float]:
+    def latency(self, dsn: str) -> Figures:
         total = WARMUP + TIMED
         committed = self.tmp / "committed.json"
         worker = self.start_worker(dsn, total, 10)
         try:
-            wait_until(self.ready.exists, worker, 60, "the worker to start")
+            wait_until(self.ready.exists, worker, 60, "the worker to start", peer="PgQueuer")
             time.sleep(1.0)  # its first dequeue has run and it is asleep, as in run.py
             subprocess.run(
                 [*self.side, "produce", dsn, str(committed), str(total), str(GAP)], check=True
             )
-            wait_until(self.starts.exists, worker, 60, "the jobs to start")
+            wait_until(self.starts.exists, worker, 60, "the jobs to start", peer="PgQueuer")
         finally:
             stop(worker)
         done = json.loads(committed.read_text())
@@ -180,16 +218,19 @@ class PgQueuer:
         q = statistics.quantiles(millis, n=100, method="inclusive")
         return {"p50_ms": q[49], "p99_ms": q[98]}
 
-    def enqueue(self, dsn: str, count: int, batch: int) -> dict[str, float]:
+    def enqueue(self, dsn: str, count: int, batch: int) -> Figures:
         done = subprocess.run(
             [*self.side, "enqueue", dsn, str(count), str(batch)], check=True,
             capture_output=True, text=True,
         )
-        figures: dict[str, float] = json.loads(done.stdout)
+        figures: Figures = json.loads(done.stdout)
         return figures
 
-    def drain(self, dsn: str, batch: int) -> dict[str, float]:
-        subprocess.run([*self.side, "fill", dsn, str(DRAIN)], check=True)
+    def drain(self, dsn: str, batch: int) -> Figures:
+        """Tasks/s, and CPU per task: the worker's (its own count from GO to its exit) plus
+        every ``postgres`` process's on this host over the same span."""
+        count = self.drain_count
+        subprocess.run([*self.side, "fill", dsn, str(count)], check=True)
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("VACUUM ANALYZE pgqueuer")
 
@@ -197,11 +238,17 @@ class PgQueuer:
                 row = conn.execute("SELECT count(*) FROM pgqueuer").fetchone()
                 return row is not None and row[0] == 0
 
-            worker = self.start_worker(dsn, DRAIN, batch)
+            worker = self.start_worker(dsn, count, batch, gated=True)
             try:
+                wait_until(self.ready.exists, worker, 60, "the worker to start", peer="PgQueuer")
+                server_cpu0 = postgres_cpu()
+                self.go.touch()
                 # Seldom: a count of the queue table competes with the worker for the CPUs.
-                wait_until(empty, worker, 60 + DRAIN / 500, "the jobs to drain", interval=0.25)
-                wait_until(self.starts.exists, worker, 30, "the worker's start times")
+                wait_until(empty, worker, 60 + count / 500, "the jobs to drain", interval=0.25,
+                           peer="PgQueuer")
+                wait_until(self.cpu.exists, worker, 30, "the worker's CPU", peer="PgQueuer")
+                server_cpu = postgres_cpu() - server_cpu0
+                Path(f"{self.go}.stop").touch()
             finally:
                 stop(worker)
             # The last acknowledgement's transaction time, as our drains take `completed_at`.
@@ -212,54 +259,30 @@ class PgQueuer:
         if row is None or row[0] is None:
             raise RuntimeError("no acknowledgement in pgqueuer_log")
         first = min(json.loads(self.starts.read_text()).values())
-        return {"tasks_per_s": DRAIN / (float(row[0]) - first)}
+        worker_cpu = float(self.cpu.read_text())
+        return {"tasks_per_s": count / (float(row[0]) - first),
+                "cpu_ms_per_task": (worker_cpu + server_cpu) / count * 1000}
 
 
-def wait_until(
-    done: Callable[[], bool], proc: subprocess.Popen[bytes], seconds: float, what: str,
-    interval: float = 0.01,
-) -> None:
-    """``run.py``'s ``wait_until``, for a worker that ends by itself once its jobs ran: ``done``
-    turning true as the worker exits is no failure."""
-    deadline = time.monotonic() + seconds
-    while not done():
-        if proc.poll() is not None and not done():
-            raise RuntimeError(f"{what}: the PgQueuer worker exited with {proc.returncode}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what}: not within {seconds:.0f} s")
-        time.sleep(interval)
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """Wait for the worker to end by itself (it stops after its last job), else kill it."""
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def ours(server_url: str, tmp: Path, workload: str) -> dict[str, float]:
+def ours(tmp: Path, url: str, workload: str, quick: bool) -> Figures:
     """``workload`` of ``run.py``, once, in its own throwaway database."""
-    out = tmp / "library.json"
-    done = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("run.py")), "--database-url", server_url,
-         "--only", workload, "--horizon-wait", "5", "--json", str(out)],
-        capture_output=True, text=True,
-    )
-    if done.returncode:
-        raise RuntimeError(f"run.py exited with {done.returncode}: {done.stderr[-2000:]}")
-    figures: dict[str, Any] = json.loads(out.read_text())["runs"][0][workload]
+    args = ["--database-url", url, "--only", workload, "--horizon-wait", "5"]
+    document = run_ours("run.py", [*args, "--quick"] if quick else args, tmp / "library.json")
+    figures: dict[str, Any] = document["runs"][0][workload]
     if "error" in figures:
         raise RuntimeError(f"run.py {workload} failed: {figures['error']}")
     if workload == "latency":
         return {"p50_ms": float(figures["p50_ms"]), "p99_ms": float(figures["p99_ms"])}
-    return {"tasks_per_s": float(figures["value"])}
+    result = {"tasks_per_s": float(figures["value"])}
+    if "cpu_us_per_task" in figures:
+        result["cpu_ms_per_task"] = float(figures["cpu_us_per_task"]) / 1000
+    return result
 
 
-#: Ours in ``run.py``, and PgQueuer's (count, batch) for the enqueues.
+#: Ours in ``run.py``, and PgQueuer's (count, batch) for the enqueues (counts for a full run).
 WORKLOADS: dict[str, tuple[str, tuple[int, int] | None]] = {
     "enqueue_single": ("enqueue_single", (2_000, 1)),
+    "enqueue_session": ("enqueue_single_session", (2_000, 1)),
     "enqueue_many": ("enqueue_many", (20_000, 1_000)),
     "latency": ("latency", None),
     "drain_c10": ("drain_c10_async", None),
@@ -267,50 +290,39 @@ WORKLOADS: dict[str, tuple[str, tuple[int, int] | None]] = {
 }
 
 
+def measure(
+    peer: PgQueuer, url: str, workload: str, ours_first: bool, quick: bool
+) -> tuple[Figures, Figures]:
+    """(PgQueuer's, ours) figures for one round of ``workload``."""
+    ours_name, enqueue = WORKLOADS[workload]
+
+    def theirs() -> Figures:
+        if enqueue is not None:
+            count, size = enqueue
+            if quick and size == 1:
+                count = 500  # run.py --quick's single enqueues
+            return peer.run(functools.partial(peer.enqueue, count=count, batch=size))
+        if workload == "latency":
+            return peer.run(peer.latency)
+        batch = int(workload.removeprefix("drain_c"))
+        return peer.run(functools.partial(peer.drain, batch=batch))
+
+    return pair(theirs, lambda: ours(peer.tmp, url, ours_name, quick), ours_first)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--pgqueuer-python", required=True, metavar="PATH",
                         help="an interpreter with pgqueuer, asyncpg and uvloop installed")
-    parser.add_argument("--database-url", metavar="URL",
-                        help="a server where CREATE DATABASE works (default: provide_server)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--only", default=",".join(WORKLOADS),
-                        help=f"comma-separated, of {', '.join(WORKLOADS)} (all)")
+    add_arguments(parser, list(WORKLOADS))
     args = parser.parse_args(argv)
-    selected = [w.strip() for w in args.only.split(",")]
-    if unknown := set(selected) - set(WORKLOADS):
-        parser.error(f"unknown workload(s): {', '.join(sorted(unknown))}")
-    results: dict[tuple[str, str], list[dict[str, float]]] = {}
+    names = selected(parser, args, list(WORKLOADS))
     with server(args.database_url) as found, tempfile.TemporaryDirectory() as tmp:
         url = psycopg_url(found.url)
-        peer = PgQueuer(args.pgqueuer_python, url, Path(tmp))
-        for index in range(args.rounds):
-            for workload in selected:
-                ours_name, enqueue = WORKLOADS[workload]
-                for name in ("pgqueuer", "sqlalchemy_pgtask"):
-                    if name == "sqlalchemy_pgtask":
-                        figures = ours(url, Path(tmp), ours_name)
-                    elif enqueue is not None:
-                        count, size = enqueue
-                        figures = peer.run(functools.partial(peer.enqueue, count=count, batch=size))
-                    elif workload == "latency":
-                        figures = peer.run(peer.latency)
-                    else:
-                        batch = int(workload.removeprefix("drain_c"))
-                        figures = peer.run(functools.partial(peer.drain, batch=batch))
-                    results.setdefault((workload, name), []).append(figures)
-                    print(f"round {index + 1} {workload:10} {name:18} {_fmt(figures)}",
-                          flush=True)
-    for (workload, name), rounds in results.items():
-        medians = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-        print(f"median  {workload:10} {name:18} {_fmt(medians)}")
+        peer = PgQueuer(args.pgqueuer_python, url, Path(tmp), 5_000 if args.quick else DRAIN)
+        run_rounds(names, args.rounds, "pgqueuer",
+                   lambda workload, first: measure(peer, url, workload, first, args.quick))
     return 0
-
-
-def _fmt(figures: dict[str, float]) -> str:
-    if "tasks_per_s" in figures:
-        return f"{figures['tasks_per_s']:,.0f} tasks/s"
-    return f"p50 {figures['p50_ms']:.2f}  p99 {figures['p99_ms']:.2f} ms"
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 One command::
 
     .venv/bin/python benchmarks/workflow.py [--database-url URL] [--tasks N] [--concurrency C]
-                                            [--repeat K]
+                                            [--repeat K] [--only plain,workflow,fanout]
 
 Like ``benchmarks/run.py`` it creates a throwaway database (``--database-url``, else the server
 ``benchmarks/_server.py`` finds) and drops it afterwards. Each
@@ -14,13 +14,19 @@ subprocess at concurrency ``C`` (default 50):
 * ``workflow``: an ``async def`` handler that runs five ``ctx.step`` calls (each returns a
   small JSON value) and returns.
 
+``--only fanout`` (or with the others) adds ``fanout``: ``--parents`` tasks (20) that each
+spawn ``--children`` children (100), one ``ctx.spawn`` each, then wait for every child's result
+in turn (``ctx.wait_for_result``: a parent whose child has not ended is suspended, without a
+slot, until it has); children per second over the same window, all tasks included.
+
 For each it reports tasks per second (database times: first attempt start to last
 completion), the SQL statements the worker sent per task (counted with a SQLAlchemy
 ``before_cursor_execute`` hook in the worker process), among them the checkpoint writes, and
 the transactions they ran (each statement on an autocommit connection, or one explicit
-transaction). The per-step figures are the workflow's minus the plain task's,
-divided by five. The target: one step costs at most one extra statement round trip and no
-extra transaction beyond its checkpoint.
+transaction), and CPU per task: the worker process's and every ``postgres`` process's on the
+host (``/proc``), from the worker's registration to the drained queue. The per-step figures
+are the workflow's minus the plain task's, divided by five. The target: one step costs at
+most one extra statement round trip and no extra transaction beyond its checkpoint.
 
 A workflow's tasks finish one by one as their steps complete, so its claims and outcome
 writes batch less than a plain drain's: part of the per-step difference is that, not the
@@ -113,13 +119,33 @@ TASKS_SOURCE = textwrap.dedent(
         for i in range(5):
             total += await ctx.step(f"step-{i}", lambda i=i: i)
         return total
+
+
+    @registry.task("fanout")
+    async def fanout(ctx, payload):
+        children = [
+            await ctx.spawn(f"spawn-{i}", "child", {"i": i}) for i in range(payload["children"])
+        ]
+        total = 0
+        for i, child in enumerate(children):
+            total += (await ctx.wait_for_result(f"wait-{i}", child)).result
+        return total
+
+
+    @registry.task("child")
+    async def child(ctx, payload):
+        return payload["i"]
     '''
 )
 
 
-def drain(bench: bench_run.Bench, name: str, tasks: int, concurrency: int) -> dict[str, Any]:
+def drain(
+    bench: bench_run.Bench, name: str, tasks: int, concurrency: int, children: int = 0
+) -> dict[str, Any]:
+    """``tasks`` pre-enqueued ``name`` tasks (each a ``fanout`` of ``children``) drained by one
+    worker; per task, and the CPU of the worker and of every ``postgres`` process meanwhile."""
     bench_run.reset(bench)
-    bench_run.preload(bench, tasks, name)
+    bench_run.preload(bench, tasks, name, lambda i: {"i": i, "children": children})
     counts = bench.tasks_dir / f"{name}.r{bench.repeat_index}.statements"
     counts.unlink(missing_ok=True)
     os.environ["PGTASK_BENCH_STATEMENTS"] = str(counts)
@@ -131,14 +157,19 @@ def drain(bench: bench_run.Bench, name: str, tasks: int, concurrency: int) -> di
                     lambda: bench_run.registered(conn, proc.pid), started + 60, proc,
                     f"{name} to register", interval=0.005,
                 )
+                worker_cpu0 = bench_run.process_cpu(proc.pid)
+                server_cpu0 = bench_run.postgres_cpu()
                 bench_run.wait_until(
-                    lambda: bench_run.outstanding(conn) == 0, started + 60 + tasks / 20, proc,
+                    lambda: bench_run.outstanding(conn) == 0,
+                    started + 60 + tasks * (children + 1) / 20, proc,
                     f"{name} to drain {tasks} tasks", interval=0.25,
                 )
+                worker_cpu = bench_run.process_cpu(proc.pid) - worker_cpu0
+                server_cpu = bench_run.postgres_cpu() - server_cpu0
             succeeded, seconds = bench_run.drained_window(conn)
     finally:
         del os.environ["PGTASK_BENCH_STATEMENTS"]
-    if succeeded != tasks:
+    if succeeded != tasks * (children + 1):
         raise RuntimeError(f"{name}: {succeeded} of {tasks} succeeded\n"
                            f"{bench_run.log_tail(bench, name)}")
     statements, checkpoints, transactions = (int(n) for n in counts.read_text().split())
@@ -149,6 +180,10 @@ def drain(bench: bench_run.Bench, name: str, tasks: int, concurrency: int) -> di
         "statements_per_task": statements / tasks,
         "checkpoint_statements_per_task": checkpoints / tasks,
         "transactions_per_task": transactions / tasks,
+        "worker_cpu_ms_per_task": worker_cpu / tasks * 1000,
+        "server_cpu_ms_per_task": server_cpu / tasks * 1000,
+        "cpu_ms_per_task": (worker_cpu + server_cpu) / tasks * 1000,
+        **({"children_per_second": tasks * children / seconds} if children else {}),
     }
 
 
@@ -159,7 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=50)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", type=Path, default=HERE / "workflow-results.json")
+    parser.add_argument("--only", default="plain,workflow", metavar="NAMES",
+                        help="comma-separated, of plain, workflow, fanout (plain,workflow)")
+    parser.add_argument("--parents", type=int, default=20, help="fanout's parents (20)")
+    parser.add_argument("--children", type=int, default=100,
+                        help="fanout's children per parent (100)")
     args = parser.parse_args(argv)
+    selected = [name.strip() for name in args.only.split(",")]
+    if unknown := set(selected) - {"plain", "workflow", "fanout"}:
+        parser.error(f"unknown workload(s): {', '.join(sorted(unknown))}")
 
     def measure(server_url: str) -> list[dict[str, dict[str, Any]]]:
         database = create_database(psycopg_url(server_url), "pgtask_bench_wf")
@@ -181,10 +224,14 @@ def main(argv: list[str] | None = None) -> int:
                         loop="auto", repeat_index=index, horizon_wait=60.0,
                     )
                     figures = {}
-                    for name in ("plain", "workflow"):
+                    for name in selected:
                         print(f"[repeat {index + 1}/{args.repeat}] {name} ...", file=sys.stderr,
                               flush=True)
-                        figures[name] = drain(bench, name, args.tasks, args.concurrency)
+                        figures[name] = (
+                            drain(bench, name, args.parents, args.concurrency, args.children)
+                            if name == "fanout" else
+                            drain(bench, name, args.tasks, args.concurrency)
+                        )
                     runs.append(figures)
         finally:
             engine.dispose()
@@ -194,6 +241,22 @@ def main(argv: list[str] | None = None) -> int:
     with bench_server(args.database_url) as found:
         runs = measure(found.url)
         server = found.description
+
+    document: dict[str, Any] = {"runs": runs}
+    if "fanout" in selected:
+        rates = [run["fanout"]["children_per_second"] for run in runs]
+        print(f"fan-out: {args.parents} parents x {args.children} children: "
+              f"{statistics.median(rates):8.0f} children/s")
+    if {"plain", "workflow"} <= set(selected):
+        document["summary"] = step_summary(runs, args, server)
+    args.json.write_text(json.dumps(document, indent=2) + "\n")
+    return 0
+
+
+def step_summary(
+    runs: list[dict[str, dict[str, Any]]], args: argparse.Namespace, server: str
+) -> dict[str, Any]:
+    """A step's cost: the workflow's figures against the plain task's (printed, returned)."""
 
     def median(name: str, key: str) -> float:
         return float(statistics.median(run[name][key] for run in runs))
@@ -235,9 +298,7 @@ def main(argv: list[str] | None = None) -> int:
           f"in all +{summary['per_step_extra_statements']:.2f} statements, "
           f"+{summary['per_step_extra_transactions']:.2f} transactions, "
           f"+{summary['per_step_extra_ms']:.3f} ms of drain time")
-    document = {"summary": summary, "runs": runs}
-    args.json.write_text(json.dumps(document, indent=2) + "\n")
-    return 0
+    return summary
 
 
 if __name__ == "__main__":
